@@ -1,0 +1,12 @@
+"""Pytest setup: one intra-op thread per process, and the repo root importable."""
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)

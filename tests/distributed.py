@@ -1,0 +1,74 @@
+"""Spawn N real processes on CPU (gloo) and collect what each returns.
+
+Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT on a free port) and one intra-op thread, so N processes fit on few cores. A child's
+exception is re-raised in the parent with the child's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        out.put((rank, None, result))
+    except BaseException:
+        out.put((rank, traceback.format_exc(), None))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` processes; return their results ordered by rank.
+
+    ``fn`` must be importable (module level) because children are spawned, not forked.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, port, fn, args, out), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, err, result = out.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"run_distributed: no answer within {timeout:.0f} s") from None
+            if err is not None:
+                raise AssertionError(f"rank {rank} failed:\n{err}")
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
