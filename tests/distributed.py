@@ -8,10 +8,12 @@ exception is re-raised in the parent with the child's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -26,13 +28,17 @@ def free_port() -> int:
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     try:
-        result = fn(*args)
-        out.put((rank, None, result))
+        # Plain pickle copies tensors by value; the queue's own pickler would hand over shared
+        # memory that vanishes when this process exits before the parent reads it.
+        out.put((rank, None, pickle.dumps(fn(*args))))
     except BaseException:
         out.put((rank, traceback.format_exc(), None))
     finally:
@@ -65,7 +71,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 raise TimeoutError(f"run_distributed: no answer within {timeout:.0f} s") from None
             if err is not None:
                 raise AssertionError(f"rank {rank} failed:\n{err}")
-            results[rank] = result
+            results[rank] = pickle.loads(result)
     finally:
         for p in procs:
             p.join(timeout=10)

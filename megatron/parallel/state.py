@@ -128,7 +128,10 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0) -> ParallelState:
             os.environ.setdefault("MASTER_ADDR", env["MASTER_ADDR"])
             os.environ.setdefault("MASTER_PORT", env["MASTER_PORT"])
             dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=timeout,
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
                 device_id=device if backend == "nccl" else None,
             )
     return build_state(grid, rank, local_rank, device, timeout)
@@ -149,9 +152,15 @@ def build_state(
         if rank in col:
             dp_group = group
     return ParallelState(
-        rank=rank, world_size=grid.numel(), local_rank=local_rank,
-        tp_size=tp_size, tp_rank=rank % tp_size, tp_group=tp_group,
-        dp_size=dp_size, dp_rank=rank // tp_size, dp_group=dp_group,
+        rank=rank,
+        world_size=grid.numel(),
+        local_rank=local_rank,
+        tp_size=tp_size,
+        tp_rank=rank % tp_size,
+        tp_group=tp_group,
+        dp_size=dp_size,
+        dp_rank=rank // tp_size,
+        dp_group=dp_group,
         device=device,
     )
 

@@ -1,0 +1,50 @@
+"""GPT: embeddings, a causal pre-LN transformer, and an LM head tied to the word embeddings."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron.models.embedding import Embedding
+from megatron.models.transformer import TransformerStack
+from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.parallel.mappings import copy_to_tp
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+
+
+class GPTModel(nn.Module):
+    """Returns vocab-parallel logits [b, s, padded_vocab / tp], or per-token fp32 losses [b, s]
+    when ``labels`` are given (the logits then go straight into the vocab-parallel loss).
+
+    ``attention_mask`` (optional, bool [b, 1, s, s]) follows Megatron: True means masked out; it
+    replaces the plain causal mask when documents reset attention.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        vocab_size: int,
+        padded_vocab_size: int,
+        state: ParallelState,
+        tracker: RNGTracker,
+    ):
+        super().__init__()
+        self.vocab_size, self.tp_group = vocab_size, state.tp_group
+        self.embedding = Embedding(cfg, vocab_size, padded_vocab_size, state)
+        self.transformer = TransformerStack(cfg, state, tracker)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        attend = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        h = self.transformer(self.embedding(tokens, position_ids), attend)  # [b, s, h]
+        # The tied head is a column-parallel matmul with the vocab-split embedding table.
+        logits = F.linear(copy_to_tp(h, self.tp_group), self.embedding.word.weight)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_size, self.tp_group)

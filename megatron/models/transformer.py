@@ -1,0 +1,119 @@
+"""The tensor-parallel transformer: attention, MLP, a layer (pre-LN or post-LN), and the stack.
+
+Per layer, attention and MLP each open a parallel region with a column-parallel matrix (f) and
+close it with a row-parallel one (g): two all-reduces forward and two backward, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head self-attention with whole heads per TP rank.
+
+    The fused QKV matrix orders its output rows [head, (q, k, v), head_dim], so a contiguous
+    column split hands each rank the q, k and v of its own heads.
+    """
+
+    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.heads_per_partition = heads // state.tp_size
+        self.head_dim = h // heads
+        self.dropout = cfg.attention_dropout
+        self.tracker = tracker
+        init = normal_init(cfg.init_method_std)
+        out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        self.qkv = ColumnParallelLinear(h, 3 * h, state, init)
+        self.dense = RowParallelLinear(h, h, state, out_init)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads_per_partition, s, head_dim]
+        dropout = self.dropout if self.training else 0.0
+        # Attention probabilities are split by head, so their dropout draws from this TP rank's
+        # own stream.
+        with self.tracker.fork():
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=attn_mask is None
+            )
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
+        return self.dense(ctx)  # [b, s, h], replicated
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel)."""
+
+    def __init__(self, cfg, state: ParallelState):
+        super().__init__()
+        init = normal_init(cfg.init_method_std)
+        out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, state, init)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, state, out_init)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)). Post-LN: LN(x + Attn(x)), LN(x + MLP(x))."""
+
+    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        self.pre_ln = cfg.layernorm_position == "pre"
+        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
+        self.attention = ParallelAttention(cfg, state, tracker)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
+        self.mlp = ParallelMLP(cfg, state)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        # The sublayer outputs are replicated across TP ranks, so this dropout uses the shared
+        # generator and every rank drops the same elements.
+        drop = lambda t: F.dropout(t, self.dropout, self.training)  # noqa: E731
+        if self.pre_ln:
+            x = x + drop(self.attention(self.ln1(x), attn_mask))
+            return x + drop(self.mlp(self.ln2(x)))
+        x = self.ln1(x + drop(self.attention(x, attn_mask)))
+        return self.ln2(x + drop(self.mlp(x)))
+
+
+class TransformerStack(nn.Module):
+    """N layers, a final LayerNorm when pre-LN, and optional full activation recomputation."""
+
+    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            TransformerLayer(cfg, state, tracker) for _ in range(cfg.num_layers)
+        )
+        self.final_ln = None
+        if cfg.layernorm_position == "pre":
+            self.final_ln = nn.LayerNorm(
+                cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device
+            )
+        self.recompute = cfg.recompute == "full"
+        self.tracker = tracker
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
+            if self.recompute and self.training:
+                x = torch.utils.checkpoint.checkpoint(
+                    layer,
+                    x,
+                    attn_mask,
+                    use_reentrant=False,
+                    context_fn=self.tracker.recompute_context,
+                )
+            else:
+                x = layer(x, attn_mask)
+        return x if self.final_ln is None else self.final_ln(x)
