@@ -1,23 +1,13 @@
 """A tiny model configuration for model-level tests."""
 
-from types import SimpleNamespace
+from megatron.config import ModelConfig
 
 
-def tiny_model_config(**overrides):
+def tiny_model_config(**overrides) -> ModelConfig:
     """4 heads, hidden 32, 2 layers, seq 16, dropout off unless overridden."""
     fields = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        seq_length=16,
-        max_position_embeddings=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        layernorm_position="pre",
-        recompute="none",
-        init_method_std=0.02,
-        layernorm_epsilon=1e-5,
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128,
+        seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
     )
     fields.update(overrides)
-    return SimpleNamespace(**fields)
+    return ModelConfig(**fields)

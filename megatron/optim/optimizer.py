@@ -1,0 +1,251 @@
+"""AdamW over fp32 main parameters, with loss scaling, a world-wide overflow check and
+tensor-parallel-aware global-norm clipping.
+
+One step, in order:
+
+1. gradients: ``param.main_grad`` (fp32, summed over micro-batches and averaged over DP by
+   megatron/parallel/data_parallel.py), else ``param.grad`` (no DP wrapper), in fp32;
+2. unscale them (fp16 only);
+3. non-finite check, agreed by every rank through one all-reduce (MAX) over the world: all ranks
+   must skip together or the replicas drift apart;
+4. global L2 norm: a TP-split parameter (``tp_split_dim`` set) holds a different slice on each TP
+   rank, so every TP rank adds its slice; a replicated one (LayerNorm, row-parallel bias) holds the
+   same gradient on every TP rank, so only TP rank 0 adds it. The squared sum is all-reduced over
+   the TP group; after the DP all-reduce every DP replica already holds the same gradients;
+5. skip everything on a non-finite value (the caller must then skip its LR step as well), else
+   clip to ``clip_grad``, run AdamW on the fp32 main params, copy them back to the model's dtype.
+
+Low-precision (bf16/fp16) parameters get fp32 main copies; fp32 parameters are their own main.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.errors import ConfigError
+from megatron.optim.grad_scaler import GradScaler, build_grad_scaler
+from megatron.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step()`` did."""
+
+    updated: bool  # False: a non-finite gradient on some rank; nothing changed anywhere
+    grad_norm: float  # global L2 norm before clipping (inf or nan when not updated)
+    found_inf: bool  # a non-finite gradient on any rank (the loop counts these)
+    loss_scale: float  # the scale this step's loss was multiplied by
+
+
+def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
+    """Sum of squares of all ``grads`` as an fp64 scalar (fp64 so the TP sum loses nothing)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return nn.utils.get_total_norm(grads, norm_type=2.0).double().square()
+
+
+class MixedPrecisionOptimizer:
+    """AdamW on fp32 main parameters; see the module docstring for one step."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        cfg: OptimizerConfig,
+        scaler: GradScaler,
+        state: ParallelState,
+    ):
+        self.cfg, self.scaler, self.state = cfg, scaler, state
+        self.clip_grad = cfg.clip_grad
+        self.names: list[str] = []
+        self.model_params: list[nn.Parameter] = []
+        self.main_params: list[Tensor] = []
+        decay: list[Tensor] = []
+        no_decay: list[Tensor] = []
+        for name, param in named_params:
+            if not param.requires_grad:
+                continue
+            # An fp32 parameter is its own main copy; a bf16/fp16 one gets an fp32 leaf copy.
+            main = param if param.dtype == torch.float32 else param.detach().float()
+            self.names.append(name)
+            self.model_params.append(param)
+            self.main_params.append(main)
+            (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(main)
+        if not self.main_params:
+            raise ValueError("the model has no trainable parameters")
+        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
+        self._split = [getattr(p, "tp_split_dim", None) is not None for p in self.model_params]
+        self._lowp = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
+        self.device = self.main_params[0].device
+        groups = [
+            {"params": ps, "weight_decay": wd}
+            for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+            if ps
+        ]
+        # The fused kernel updates every parameter in a few launches on GPU; foreach elsewhere.
+        fused = self.device.type == "cuda"
+        self.inner = torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            fused=fused,
+            foreach=not fused,
+        )
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.inner.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        """Use ``lr`` from the next step on (the LR schedule's value)."""
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss to call ``backward()`` on: multiplied by the loss scale (fp16), else as is."""
+        return loss if self.scaler.scale == 1.0 else loss * self.scaler.scale
+
+    def _attach_grads(self) -> list[Tensor | None]:
+        """Point each main param's ``.grad`` at its fp32 gradient; return them in param order."""
+        grads: list[Tensor | None] = []
+        for param, main in zip(self.model_params, self.main_params):
+            grad = getattr(param, "main_grad", None)
+            if grad is None and param.grad is not None:
+                grad = param.grad.float()  # a no-op for fp32, a copy for bf16/fp16
+            main.grad = grad
+            grads.append(grad)
+        return grads
+
+    def _release_grads(self) -> None:
+        # An fp32 param's .grad is now a view of its main_grad bucket: left in place, the next
+        # backward would accumulate into the bucket directly and count that gradient twice.
+        for param, main in zip(self.model_params, self.main_params):
+            main.grad = None
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, check, clip, update and copy back; skip everything on a non-finite value."""
+        loss_scale = self.scaler.scale
+        grads = self._attach_grads()
+        present = [g for g in grads if g is not None]
+        if loss_scale != 1.0:
+            torch._foreach_mul_(present, 1.0 / loss_scale)
+        pairs = [(g, s) for g, s in zip(grads, self._split) if g is not None]
+        split = _squared_norm([g for g, s in pairs if s], self.device)
+        repl = _squared_norm([g for g, s in pairs if not s], self.device)
+        found = (~torch.isfinite(split + repl)).to(torch.float64)
+        local = split + repl if self.state.tp_rank == 0 else split
+        if self.state.world_size > 1:
+            # Every rank holding part of the model must agree to skip, or replicas diverge.
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if self.state.tp_size > 1:
+            # Each TP rank holds other slices of the split parameters; sum the squares.
+            dist.all_reduce(local, group=self.state.tp_group)
+        found_inf, squared = torch.stack([found, local]).tolist()  # the one host sync of a step
+        grad_norm = math.sqrt(squared) if squared >= 0 else math.nan
+        found_inf = bool(found_inf)
+        if not found_inf:
+            if self.clip_grad > 0:
+                coeff = self.clip_grad / (grad_norm + 1e-6)
+                if coeff < 1.0:
+                    torch._foreach_mul_(present, coeff)
+            self.inner.step()
+            if self._lowp:
+                torch._foreach_copy_([p for p, _ in self._lowp], [m for _, m in self._lowp])
+        self.scaler.update(found_inf)
+        self._release_grads()
+        return StepResult(not found_inf, grad_norm, found_inf, loss_scale)
+
+    def zero_grad(self) -> None:
+        """Drop ``.grad`` of model and main params (DataParallel.zero_grad_buffer zeroes
+        ``main_grad``)."""
+        self._release_grads()
+
+    @torch.no_grad()
+    def reload_main_params(self) -> None:
+        """Refresh fp32 main copies from the model (after loading weights without optimizer
+        state, e.g. ``checkpoint.finetune``)."""
+        for param, main in self._lowp:
+            main.copy_(param)
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW moments and step, fp32 main copies of low-precision params, and the loss scaler.
+
+        ``{"params": {name: {"exp_avg", "exp_avg_sq", "step", ["main"]}}, "grad_scaler": {...}}``:
+        every tensor has its parameter's local shape (split along ``tp_split_dim``), so checkpoints
+        can reshard it; moments are absent before the first step. Tensors are live references.
+        """
+        params: dict[str, dict[str, Any]] = {}
+        for name, param, main in zip(self.names, self.model_params, self.main_params):
+            entry: dict[str, Any] = {}
+            adam = self.inner.state.get(main)
+            if adam:
+                entry.update(
+                    exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"], step=int(adam["step"])
+                )
+            if main is not param:
+                entry["main"] = main
+            params[name] = entry
+        return {"params": params, "grad_scaler": self.scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output; call after the model weights are loaded.
+
+        A saved ``main`` overwrites the main copy (and the model param); without one, the main
+        copy is taken from the model. The optimizer adopts the moment tensors it is given (no
+        copy when they already sit on the right device), so pass a state nobody else updates.
+        """
+        saved = state["params"]
+        missing = [n for n in self.names if n not in saved]
+        extra = [n for n in saved if n not in self.names]
+        if missing or extra:
+            raise ConfigError(
+                f"optimizer state does not match the model (missing {missing[:3]}, unexpected "
+                f"{extra[:3]}); load a checkpoint of this model or set checkpoint.finetune=true"
+            )
+        # torch numbers parameters across groups in order; its state dict is keyed by number.
+        order = [p for group in self.inner.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        inner = {"state": {}, "param_groups": self.inner.state_dict()["param_groups"]}
+        for name, param, main in zip(self.names, self.model_params, self.main_params):
+            entry = saved[name]
+            for key in ("main", "exp_avg", "exp_avg_sq"):
+                if key in entry and tuple(entry[key].shape) != tuple(param.shape):
+                    raise ConfigError(
+                        f"optimizer state {name}.{key} has shape {tuple(entry[key].shape)}, the "
+                        f"model {tuple(param.shape)}; reshard the checkpoint to this TP size"
+                    )
+            if "main" in entry:
+                main.copy_(entry["main"])
+                if main is not param:
+                    param.copy_(main)
+            elif main is not param:
+                main.copy_(param)
+            if "exp_avg" in entry:
+                inner["state"][index[id(main)]] = {
+                    "step": torch.tensor(float(entry["step"])),
+                    "exp_avg": entry["exp_avg"],
+                    "exp_avg_sq": entry["exp_avg_sq"],
+                }
+        # torch's own loader casts and moves every state tensor next to its parameter.
+        self.inner.load_state_dict(inner)
+        self.scaler.load_state_dict(state["grad_scaler"])
+
+
+def build_optimizer(
+    model: nn.Module, opt_cfg: OptimizerConfig, precision_cfg: PrecisionConfig, state: ParallelState
+) -> MixedPrecisionOptimizer:
+    """AdamW over ``model``'s parameters with the loss scaler ``precision_cfg`` asks for."""
+    return MixedPrecisionOptimizer(
+        list(model.named_parameters()), opt_cfg, build_grad_scaler(precision_cfg), state
+    )

@@ -1,0 +1,181 @@
+"""DataParallel: DP=2 averaged gradients equal the serial gradients of the whole batch, micro-batch
+accumulation equals one big batch, and collectives run only on the last micro-batch, one per
+bucket, launched during backward (counted by wrapping dist.all_reduce in the child)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.parallel.data_parallel import DataParallel
+from megatron.parallel.state import ParallelState
+from tests.distributed import run_distributed
+
+VOCAB = 13
+BUCKET_MB = 150 * 4 / 2**20  # 150 fp32 values: three buckets, one of several parameters
+
+
+class TiedNet(nn.Module):
+    """Embedding reused as the output layer (one leaf, two uses), plus a never-used parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(3))  # registered first: alone in the last bucket
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.fc2(torch.relu(self.fc1(self.norm(h))))
+        return F.linear(h, self.emb.weight)
+
+
+def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(0, VOCAB, (2, n, 5), generator=g)
+    return ids, targets
+
+
+def loss_fn(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).float().flatten(0, 1), targets.flatten())
+
+
+def serial_grads(model: nn.Module, ids, targets) -> dict[str, torch.Tensor]:
+    ref = copy.deepcopy(model)
+    loss_fn(ref, ids, targets).backward()
+    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def single_state() -> ParallelState:
+    return ParallelState(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+        dp_size=1,
+        dp_rank=0,
+        dp_group=None,
+        device=torch.device("cpu"),
+    )
+
+
+def accumulate(ddp: DataParallel, ids, targets, micro: int, probe=None) -> list:
+    """One step's backward passes, all but the last inside no_sync(); ``probe()`` after each."""
+    seen = []
+    for i, (x, y) in enumerate(zip(ids.chunk(micro), targets.chunk(micro))):
+        with contextlib.nullcontext() if i == micro - 1 else ddp.no_sync():
+            (loss_fn(ddp.module, x, y) / micro).backward()
+        seen.append(probe() if probe else None)
+    return seen
+
+
+def test_accumulation_equals_one_big_batch(monkeypatch):
+    """dp=1: four micro-batches of 2 give the gradients of one batch of 8 (fp32 sums in another
+    order, hence 1e-6), with no collective at all."""
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("collective at dp=1"))
+    torch.manual_seed(0)
+    model = TiedNet()
+    ids, targets = batch(8)
+    expected = serial_grads(model, ids, targets)
+    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    accumulate(ddp, ids, targets, micro=4)
+    ddp.finish_grad_sync()
+    for name, p in model.named_parameters():
+        assert p.grad is None
+        if name == "unused":
+            assert not p.main_grad.any()
+        else:
+            torch.testing.assert_close(p.main_grad, expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_gradients_accumulate_in_fp32():
+    torch.manual_seed(0)
+    model = TiedNet().to(torch.bfloat16)
+    ids, targets = batch(4)
+    expected = {}
+    for x, y in zip(ids.chunk(2), targets.chunk(2)):
+        ref = copy.deepcopy(model)
+        (loss_fn(ref, x, y) / 2).backward()
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                expected[n] = expected.get(n, 0) + p.grad.float()
+    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    accumulate(ddp, ids, targets, micro=2)
+    ddp.finish_grad_sync()
+    for name, p in model.named_parameters():
+        if name != "unused":
+            assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, expected[name])
+
+
+def test_backward_after_reduction_is_refused():
+    model = TiedNet()
+    ids, targets = batch(2)
+    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    loss_fn(model, ids, targets).backward()
+    assert all(b.launched for b in ddp.buckets[:-1])  # the unused parameter's waits for finish
+    with pytest.raises(RuntimeError, match="no_sync"):
+        loss_fn(model, ids, targets).backward()
+
+
+def _dp_child() -> dict:
+    from megatron.parallel.state import initialize
+
+    state = initialize(tp_size=1)  # DP=2
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting  # this child only: count the DP collectives
+    torch.manual_seed(0)
+    model = TiedNet()
+    ids, targets = batch(8)
+    expected = serial_grads(model, ids, targets)
+    ddp = DataParallel(model, state, BUCKET_MB)
+    mine = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
+    steps = []
+    for _ in range(2):  # a second step checks that finish/zero reset every bucket
+        counts = accumulate(ddp, ids[mine], targets[mine], micro=2, probe=lambda: len(calls))
+        ddp.finish_grad_sync()
+        counts.append(len(calls))
+        steps.append(({n: p.main_grad.clone() for n, p in model.named_parameters()}, counts))
+        assert all(p.grad is None for p in model.parameters())
+        ddp.zero_grad_buffer()
+        calls.clear()
+    assert all(group is state.dp_group for group in calls)
+    return {
+        "steps": steps,
+        "expected": expected,
+        "buckets": [len(b.params) for b in ddp.buckets],
+    }
+
+
+@pytest.mark.slow
+def test_dp2_equals_serial_and_communicates_once_per_bucket():
+    """Each of 2 ranks runs 2 micro-batches of 2 samples; the DP mean of the accumulated
+    gradients equals the serial gradient of all 8 samples (1e-6: summation order)."""
+    for r in run_distributed(_dp_child, 2):
+        buckets = r["buckets"]
+        assert len(buckets) == 3 and max(buckets) > 1 and buckets[-1] == 1
+        (first, counts), (second, counts2) = r["steps"]
+        # Nothing during the no_sync micro-batch; every bucket but the one holding the unused
+        # parameter launched during the last backward; that one in finish_grad_sync().
+        assert counts == counts2 == [0, len(buckets) - 1, len(buckets)]
+        for name, grad in first.items():
+            assert torch.equal(grad, second[name])
+            if name == "unused":
+                assert not grad.any()
+            else:
+                torch.testing.assert_close(grad, r["expected"][name], rtol=1e-6, atol=1e-7)
