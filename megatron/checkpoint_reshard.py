@@ -1,0 +1,295 @@
+"""Reading checkpoints: their files and metadata, checked, and their tensors at any TP size.
+
+The tensor file of TP rank t (``model_optim_tp{t:02d}.safetensors``) holds that rank's slices
+under flat keys: ``model/<state-dict key>`` and ``optim/<param>/<exp_avg|exp_avg_sq|main|step>``.
+meta.json's ``tensors`` records, per key, the split dimension (the parameter's ``tp_split_dim``),
+the full shape over all TP ranks, the dtype, and whether its rows are the vocabulary; its
+``files`` the sha256 of every file.
+
+Reading a TP-split tensor saved at TP=a as rank r of TP=c::
+
+    full = cat([slice_0, ..., slice_{a-1}], split_dim)      # [.., padded_a, ..]
+    full = full[:vocab_size]                                 # vocabulary tables: drop padding
+    full = pad(full, padded_c - vocab_size zero rows)        # ... and pad for the new TP size
+    mine = full.narrow(split_dim, r * n / c, n / c)
+
+The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``; rows past the
+real vocabulary are zero (weights, moments and main copies alike) and their count depends on the
+TP size. Replicated tensors are identical on every TP rank, so slice 0 is read. Only safetensors
+and JSON are ever parsed: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+
+from megatron.errors import ConfigError
+from megatron.parallel.layers import VocabParallelEmbedding, split_dim
+from megatron.parallel.state import ParallelState
+
+FORMAT_VERSION = 1
+META = "meta.json"
+# What every reader of meta.json relies on.
+_META_KEYS = """iteration progress tp_size dp_size world_size device_type vocab_size seed rng
+    lr_schedule grad_scaler tensors files config""".split()
+
+
+def checkpoint_name(iteration: int) -> str:
+    """``iter_0000100``: the directory of one checkpoint."""
+    return f"iter_{iteration:07d}"
+
+
+def shard_file(tp_rank: int) -> str:
+    """The tensor file of one TP rank's model and optimizer slices."""
+    return f"model_optim_tp{tp_rank:02d}.safetensors"
+
+
+def rng_file(rank: int) -> str:
+    """The RNG-state file of one global rank."""
+    return f"rng_rank{rank:05d}.safetensors"
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_meta(ckpt_dir: str) -> dict[str, Any]:
+    """meta.json of one checkpoint; ConfigError when missing, unreadable or of another format."""
+    path = os.path.join(ckpt_dir, META)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found: the checkpoint is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); the checkpoint is damaged") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{path}: format_version {version}, this code reads {FORMAT_VERSION}")
+    absent = [k for k in _META_KEYS if k not in meta]
+    if absent:
+        raise ConfigError(f"{path} lacks {absent}; the checkpoint is damaged")
+    expected = [shard_file(t) for t in range(meta["tp_size"])]
+    expected += [rng_file(r) for r in range(meta["world_size"])] if meta["rng"] else []
+    missing = [n for n in expected if n not in meta["files"]]
+    if missing:
+        raise ConfigError(f"{path}: no checksum for {missing[0]}; the checkpoint is incomplete")
+    outside = [n for n in meta["files"] if os.path.basename(n) != n]
+    if outside:
+        raise ConfigError(f"{path} lists {outside[0]}, outside the checkpoint; it is damaged")
+    return meta
+
+
+def check_files(ckpt_dir: str, meta: dict[str, Any], names: list[str]) -> str | None:
+    """The first of ``names`` that is missing or fails its sha256; None when all are intact."""
+    for name in names:
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if sha256_file(path) != meta["files"][name]:
+            return f"{path} does not match its sha256 in meta.json"
+    return None
+
+
+def verify_checkpoint(ckpt_dir: str) -> str | None:
+    """What is wrong with a checkpoint directory (meta.json, any file), or None when intact."""
+    try:
+        meta = read_meta(ckpt_dir)
+    except ConfigError as e:
+        return str(e)
+    return check_files(ckpt_dir, meta, sorted(meta["files"]))
+
+
+def vocab_params(model: nn.Module) -> set[str]:
+    """Names of the parameters whose rows are the (padded) vocabulary."""
+    return {
+        f"{name}.weight" if name else "weight"
+        for name, m in model.named_modules()
+        if isinstance(m, VocabParallelEmbedding)
+    }
+
+
+def padded_vocab(model: nn.Module, tp_size: int) -> int | None:
+    """The model's padded vocabulary size (rows over all TP ranks); None without a vocab table."""
+    params = dict(model.named_parameters())
+    rows = [params[name].shape[0] * tp_size for name in sorted(vocab_params(model))]
+    return rows[0] if rows else None
+
+
+def shard_tensors(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
+    """This rank's slices under checkpoint keys (live references, on the model's device)."""
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        for name, entry in optimizer.state_dict()["params"].items():
+            for field, value in entry.items():
+                if field == "step":
+                    value = torch.tensor(value, dtype=torch.int64)
+                tensors[f"optim/{name}/{field}"] = value
+    return tensors
+
+
+def _param_of(key: str) -> str:
+    kind, rest = key.split("/", 1)
+    return rest if kind == "model" else rest.rsplit("/", 1)[0]
+
+
+def tensor_layout(tensors: dict[str, Tensor], model: nn.Module, tp_size: int) -> dict[str, Any]:
+    """Per key: split dim, full shape over ``tp_size`` ranks, dtype, whether rows are the vocab."""
+    splits = {name: split_dim(p) for name, p in model.named_parameters()}
+    vocab = vocab_params(model)
+    layout = {}
+    for key, t in tensors.items():
+        dim = None if key.endswith("/step") else splits.get(_param_of(key))
+        shape = list(t.shape)
+        if dim is not None:
+            shape[dim] *= tp_size
+        layout[key] = {
+            "split_dim": dim,
+            "shape": shape,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "vocab": dim is not None and _param_of(key) in vocab,
+        }
+    return layout
+
+
+def merge_shards(shards: list[Tensor], split_dim: int | None, vocab_size: int | None) -> Tensor:
+    """The full tensor from its TP slices; ``vocab_size`` (vocabulary tables): padding dropped."""
+    if split_dim is None:
+        return shards[0]
+    full = torch.cat(shards, dim=split_dim) if len(shards) > 1 else shards[0]
+    return full if vocab_size is None else full.narrow(0, 0, vocab_size)
+
+
+def take_shard(
+    full: Tensor, split_dim: int | None, tp_size: int, tp_rank: int, padded_rows: int | None
+) -> Tensor:
+    """Rank ``tp_rank``'s contiguous slice of ``full`` at ``tp_size``, as a tensor of its own.
+
+    ``padded_rows`` (vocabulary tables, whose ``full`` holds only the real rows): zero rows are
+    appended up to that many first.
+    """
+    if padded_rows is not None:
+        if padded_rows < full.shape[0]:
+            raise ValueError(f"padded_rows={padded_rows} < the {full.shape[0]} vocabulary rows")
+        full = torch.cat([full, full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))])
+    if split_dim is None:
+        return full.clone()
+    size = full.shape[split_dim]
+    if size % tp_size:
+        raise ValueError(f"dimension {split_dim} of size {size} does not split into {tp_size}")
+    local = size // tp_size
+    return full.narrow(split_dim, tp_rank * local, local).clone()
+
+
+def open_safetensors(path: str) -> Any:
+    """A safetensors file opened for reading; ConfigError for anything else (e.g. a pickle)."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(
+            f"{path}: not a valid safetensors file ({e}); refusing to load it (checkpoints are "
+            "never unpickled); restore the file or load another checkpoint"
+        ) from None
+
+
+class ShardedTensors:
+    """The per-TP-rank tensor files of one checkpoint, read as any rank's slice at any TP size.
+
+    ``layout`` is meta.json's ``tensors``. Files are opened lazily (safetensors maps them) and
+    only those a read needs: at an unchanged TP size, a rank touches only its own file.
+    """
+
+    def __init__(self, paths: list[str], layout: dict[str, dict[str, Any]], vocab_size: int):
+        self.paths, self.layout, self.vocab_size = paths, layout, vocab_size
+        self._files: dict[int, Any] = {}
+
+    def _slice(self, key: str, tp_rank: int) -> Tensor:
+        if tp_rank not in self._files:
+            self._files[tp_rank] = open_safetensors(self.paths[tp_rank])
+        try:
+            return self._files[tp_rank].get_tensor(key)
+        except SafetensorError as e:
+            raise ConfigError(
+                f"{self.paths[tp_rank]}: cannot read {key} ({e}); the checkpoint is damaged"
+            ) from None
+
+    def read(self, key: str, tp_size: int, tp_rank: int, padded_rows: int | None) -> Tensor:
+        """Tensor ``key`` as rank ``tp_rank`` of ``tp_size`` holds it (CPU, saved dtype).
+
+        ``padded_rows``: the padded vocabulary size at ``tp_size`` (vocabulary tables only).
+        """
+        info = self.layout[key]
+        split, vocab, saved_tp = info["split_dim"], info["vocab"], len(self.paths)
+        if split is None:
+            return self._slice(key, 0)
+        if saved_tp == tp_size and (not vocab or padded_rows == info["shape"][0]):
+            return self._slice(key, tp_rank)
+        full = merge_shards(
+            [self._slice(key, r) for r in range(saved_tp)],
+            split,
+            self.vocab_size if vocab else None,
+        )
+        return take_shard(full, split, tp_size, tp_rank, padded_rows if vocab else None)
+
+
+def read_state(
+    files: list[str],
+    meta: dict[str, Any],
+    model: nn.Module,
+    optimizer: Any | None,
+    state: ParallelState,
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]]]:
+    """This rank's model state dict and optimizer entries (``optimizer.load_state_dict``'s
+    ``params``; empty without an optimizer), resharded from the checkpoint's TP size to this one.
+
+    ``files``: the checkpoint's tensor files, one per saved TP rank. Raises ConfigError naming
+    the checkpoint when it was saved from another model.
+    """
+    where, layout = os.path.dirname(files[0]), meta["tensors"]
+    source = ShardedTensors(files, layout, meta["vocab_size"])
+    padded = padded_vocab(model, state.tp_size)
+
+    def read(key: str, shape: torch.Size) -> Tensor:
+        if key not in layout:
+            raise ConfigError(f"{where} has no tensor {key}: it was saved from another model")
+        t = source.read(key, state.tp_size, state.tp_rank, padded)
+        if t.shape != shape:
+            raise ConfigError(
+                f"{where}: {key} has shape {tuple(t.shape)} at TP={state.tp_size}, the model "
+                f"{tuple(shape)}; load it into a model with the checkpoint's model.* settings"
+            )
+        return t
+
+    local = model.state_dict()
+    weights = {name: read(f"model/{name}", t.shape) for name, t in local.items()}
+    extra = [k for k in layout if k.startswith("model/") and k[len("model/") :] not in local]
+    if extra:
+        raise ConfigError(f"{where} holds {extra[0]}, which this model lacks: another model's")
+    entries: dict[str, dict[str, Any]] = {}
+    if optimizer is None:
+        return weights, entries
+    params = dict(model.named_parameters())
+    for name in optimizer.state_dict()["params"]:
+        entry: dict[str, Any] = {}
+        for field in ("exp_avg", "exp_avg_sq", "main"):
+            if f"optim/{name}/{field}" in layout:
+                entry[field] = read(f"optim/{name}/{field}", params[name].shape)
+        if f"optim/{name}/step" in layout:
+            entry["step"] = int(read(f"optim/{name}/step", torch.Size([])))
+        if "main" not in entry and weights[name].dtype == torch.float32:
+            # Saved from an fp32 model: its weights are the exact main copy a bf16/fp16 run needs.
+            entry["main"] = weights[name]
+        entries[name] = entry
+    return weights, entries

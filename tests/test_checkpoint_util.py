@@ -1,0 +1,114 @@
+"""tools/checkpoint_util.py on a real TP=2 checkpoint: merge, reshard, summary, refusals.
+
+Conversion only concatenates and slices, so TP=2 -> 1 -> 2 reproduces every tensor file's
+contents exactly; the merged checkpoint loads at TP=1 with the TP=2 run's state bit for bit and
+its logits within 1e-6 relative (float reduction order of the split matmuls).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.checkpoint_reshard import read_meta, shard_file, verify_checkpoint
+from megatron.checkpointing import find_latest, load_checkpoint, save_checkpoint
+from megatron.parallel.state import initialize
+from tests.distributed import run_distributed
+from tests.test_checkpointing import VOCAB, build, gathered, logits, same, tiny_config, train
+from tests.test_layers import close
+from tools.checkpoint_util import main
+
+ITER = "iter_0000002"
+
+
+def _save(cfg, save_dir):
+    st = initialize(2)
+    model, optimizer, schedule, tracker = build(cfg, st)
+    train(model, optimizer, schedule, 2, seed=0)
+    save_checkpoint(save_dir, 2, model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    return gathered(model, optimizer, st), logits(model, st)
+
+
+def _load(cfg, save_dir):
+    st = initialize(1)
+    model, optimizer, schedule, tracker = build(cfg, st, seed=77)
+    load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+    return gathered(model, optimizer, st), logits(model, st)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """A TP=2 checkpoint, the config it was made with, and the saving run's state and logits."""
+    root = tmp_path_factory.mktemp("tp2")
+    cfg = tiny_config(root)
+    state, out = run_distributed(_save, 2, cfg, str(root / "ckpt"))[0]
+    return root / "ckpt", cfg, state, out
+
+
+def tensors(save_dir, tp: int) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard file, keyed by (file, key)."""
+    out = {}
+    for t in range(tp):
+        for key, value in load_file(str(save_dir / ITER / shard_file(t))).items():
+            out[f"{t}:{key}"] = value
+    return out
+
+
+@pytest.mark.slow
+def test_merge_and_reshard_round_trip_exactly(tp2, tmp_path, capsys):
+    src, cfg, ref_state, ref_logits = tp2
+    merged, back, four, again = (tmp_path / n for n in ("merged", "tp2", "tp4", "merged_again"))
+    assert main(["--input", str(src), "--output", str(merged), "--merge"]) == 0
+    assert sorted(os.listdir(merged)) == [ITER, "latest"] and find_latest(str(merged)) == 2
+    assert sorted(os.listdir(merged / ITER)) == ["meta.json", shard_file(0)]
+    meta = read_meta(str(merged / ITER))
+    assert (meta["tp_size"], meta["padded_vocab_size"], meta["rng"]) == (1, 128, False)
+    assert meta["tensors"]["model/embedding.word.weight"]["shape"] == [128, 32]
+    assert meta["config"]["parallel"]["tensor_parallel_size"] == 1
+    assert verify_checkpoint(str(merged / ITER)) is None
+
+    assert main(["--input", str(merged), "--output", str(back), "--target-tp", "2"]) == 0
+    assert same(tensors(back, 2), tensors(src, 2))
+    assert main(["--input", str(src / ITER), "--output", str(four), "--target-tp", "4"]) == 0
+    assert read_meta(str(four / ITER))["padded_vocab_size"] == 512
+    assert main(["--input", str(four), "--output", str(again), "--merge"]) == 0
+    assert same(tensors(again, 1), tensors(merged, 1))
+
+    capsys.readouterr()
+    assert main(["--input", str(src), "--summary"]) == 0
+    out = capsys.readouterr().out
+    for text in ("iteration   2", "TP=2 x DP=1", "vocab       100 (padded 256)", "checksums   ok"):
+        assert text in out
+    assert "model/embedding.word.weight" in out and "[256, 32]" in out
+
+    state, out_logits = run_distributed(_load, 1, cfg, str(merged))[0]
+    assert same(state, ref_state)
+    close(out_logits, ref_logits, 1e-6)
+
+
+@pytest.mark.slow
+def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
+    src = tp2[0]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(src, damaged)
+    with open(damaged / ITER / shard_file(1), "r+b") as f:
+        f.seek(100)
+        f.write(b"\0\1\2\3")
+    capsys.readouterr()
+    assert main(["--input", str(damaged), "--summary"]) == 0
+    assert "checksums   FAILED" in capsys.readouterr().out
+    cases = {
+        ("--input", str(damaged), "--output", str(tmp_path / "o1"), "--merge"): "sha256",
+        ("--input", str(src), "--output", str(tmp_path / "o2"), "--target-tp", "3"): "divide",
+        ("--input", str(src), "--output", str(src), "--merge"): "holds the input",
+        ("--input", str(tmp_path / "nowhere"), "--summary"): "no meta.json and no latest",
+        ("--input", str(src), "--iteration", "7", "--summary"): "not found",
+    }
+    for argv, message in cases.items():
+        assert main(list(argv)) == 1, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["--input", str(src)])

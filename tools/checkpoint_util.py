@@ -1,0 +1,189 @@
+"""Inspect a checkpoint, or convert it offline to another TP size or into one unsharded file.
+
+    python tools/checkpoint_util.py --input runs/gpt/checkpoints --summary
+    python tools/checkpoint_util.py --input runs/gpt/checkpoints --output runs/gpt/tp4 --target-tp 4
+    python tools/checkpoint_util.py --input runs/gpt/checkpoints --output runs/gpt/merged --merge
+
+``--input`` is a save directory (the checkpoint its ``latest`` names, or ``--iteration N``) or one
+``iter_*`` directory. ``--output`` becomes a save directory holding one complete checkpoint
+(meta.json with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size;
+``--merge`` is ``--target-tp 1``: a single tensor file. Model weights and optimizer state are
+converted exactly; RNG states belong to the old world, so a run resuming from the output reseeds
+them from (seed, iteration), with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import secrets
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.checkpoint_reshard import (  # noqa: E402
+    META,
+    ShardedTensors,
+    checkpoint_name,
+    read_meta,
+    shard_file,
+    verify_checkpoint,
+)
+from megatron.checkpointing import find_latest, publish, write_tensors  # noqa: E402
+from megatron.config import padded_vocab_size  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", required=True, help="a save directory or one iter_* directory")
+    p.add_argument("--iteration", type=int, help="with a save directory: this checkpoint")
+    p.add_argument("--output", help="save directory for the converted checkpoint")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--target-tp", type=int, help="reshard to this tensor-parallel size")
+    action.add_argument("--merge", action="store_true", help="one unsharded file (TP=1)")
+    p.add_argument("--summary", action="store_true", help="print what the checkpoint holds")
+    return p
+
+
+def resolve_input(path: str, iteration: int | None) -> str:
+    """The checkpoint directory ``--input`` (and ``--iteration``) name."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    if iteration is None:
+        iteration = find_latest(path)
+        if iteration is None:
+            raise ConfigError(f"--input {path}: no meta.json and no latest file; name a checkpoint")
+    ckpt = os.path.join(path, checkpoint_name(iteration))
+    if not os.path.isdir(ckpt):
+        raise ConfigError(
+            f"--input {path}: {checkpoint_name(iteration)} not found; fix --iteration"
+        )
+    return ckpt
+
+
+def _numel(info: dict) -> int:
+    numel = 1
+    for n in info["shape"]:
+        numel *= n
+    return numel
+
+
+def _nbytes(info: dict) -> int:
+    return _numel(info) * getattr(torch, info["dtype"]).itemsize
+
+
+def summary(ckpt: str) -> str:
+    """Iteration, sizes, progress, checksum status, and every tensor's full shape and bytes."""
+    problem = verify_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    files = sorted(meta["files"])
+    size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files if not problem)
+    layout = meta["tensors"]
+    model = {k: v for k, v in layout.items() if k.startswith("model/")}
+    lines = [
+        f"checkpoint  {ckpt}",
+        f"iteration   {meta['iteration']}  (format {meta['format_version']}, "
+        f"torch {meta['torch_version']})",
+        f"parallel    TP={meta['tp_size']} x DP={meta['dp_size']} (world {meta['world_size']}, "
+        f"{meta['device_type']}); RNG states: {'yes' if meta['rng'] else 'no'}",
+        f"vocab       {meta['vocab_size']} (padded {meta['padded_vocab_size']})",
+        f"progress    {json.dumps(meta['progress'])}",
+        f"files       {len(files)} + meta.json, {size} bytes",
+        f"checksums   {'ok' if problem is None else 'FAILED: ' + problem}",
+        f"parameters  {sum(_numel(v) for v in model.values())} (vocab padding included) in "
+        f"{len(model)} model tensors; "
+        f"{len(layout) - len(model)} optimizer tensors",
+    ]
+    width = max(len(k) for k in layout)
+    for key, info in layout.items():
+        split = "-" if info["split_dim"] is None else info["split_dim"]
+        lines.append(
+            f"  {key:<{width}}  {str(info['shape']):<14} {info['dtype']:<8} split {split}"
+            f"{' vocab' if info['vocab'] else ''}  {_nbytes(info)} B"
+        )
+    return "\n".join(lines)
+
+
+def reshard(src: str, out: str, tp_size: int) -> str:
+    """Write checkpoint ``src`` at TP=``tp_size`` into the save directory ``out``; its path."""
+    problem = verify_checkpoint(src)
+    if problem:
+        raise ConfigError(f"--input: {problem}; pick an intact checkpoint with --iteration")
+    meta = read_meta(src)
+    heads = meta["config"]["model"]["num_attention_heads"]
+    if tp_size < 1 or heads % tp_size:
+        raise ConfigError(
+            f"--target-tp {tp_size} does not divide model.num_attention_heads={heads}; "
+            "use a divisor of it"
+        )
+    layout = meta["tensors"]
+    for key, info in layout.items():
+        split = info["split_dim"]
+        if split is not None and not info["vocab"] and info["shape"][split] % tp_size:
+            raise ConfigError(f"--target-tp {tp_size} does not divide {key} {info['shape']}")
+    if os.path.realpath(out) == os.path.realpath(os.path.dirname(src)):
+        raise ConfigError(f"--output {out} holds the input; choose another directory")
+    divisible_by = meta["config"]["model"]["make_vocab_size_divisible_by"]
+    padded = padded_vocab_size(meta["vocab_size"], divisible_by, tp_size)
+    source = ShardedTensors(
+        [os.path.join(src, shard_file(t)) for t in range(meta["tp_size"])],
+        layout,
+        meta["vocab_size"],
+    )
+    tmp = os.path.join(out, f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}")
+    os.makedirs(tmp)
+    files = {}
+    for rank in range(tp_size):
+        tensors = {key: source.read(key, tp_size, rank, padded) for key in layout}
+        files[shard_file(rank)] = write_tensors(os.path.join(tmp, shard_file(rank)), tensors)
+    new_layout = copy.deepcopy(layout)
+    for info in new_layout.values():
+        if info["vocab"]:
+            info["shape"][0] = padded
+    config = copy.deepcopy(meta["config"])
+    config["parallel"]["tensor_parallel_size"] = tp_size
+    converted = {
+        **meta,
+        "tp_size": tp_size,
+        "dp_size": 1,
+        "world_size": tp_size,
+        "padded_vocab_size": padded if meta["padded_vocab_size"] is not None else None,
+        "rng": False,
+        "tensors": new_layout,
+        "files": files,
+        "config": config,
+        "converted_from": {"path": os.path.abspath(src), "tp_size": meta["tp_size"]},
+    }
+    return publish(tmp, out, converted, keep_last=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; a user mistake prints one line and returns 1."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    target = 1 if args.merge else args.target_tp
+    if target is None and not args.summary:
+        parser.error("nothing to do: pass --summary, --target-tp N or --merge")
+    if target is not None and not args.output:
+        parser.error("--target-tp/--merge need --output")
+    try:
+        src = resolve_input(args.input, args.iteration)
+        if args.summary:
+            print(summary(src))
+        if target is not None:
+            path = reshard(src, args.output, target)
+            print(f"wrote {path} (TP={target}); use it as checkpoint.load={args.output}")
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
