@@ -47,4 +47,7 @@ class GPTModel(nn.Module):
         logits = F.linear(copy_to_tp(h, self.tp_group), self.embedding.word.weight)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.vocab_size, self.tp_group)
+        # The logits are this call's own temporary, so the loss may overwrite them.
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.vocab_size, self.tp_group, inplace=True
+        )

@@ -39,7 +39,10 @@ class ParallelAttention(nn.Module):
     def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads_per_partition, s, head_dim]
+        # Unbind the (q, k, v) axis where it lies: backward then stacks the three gradients
+        # straight into this layout, where unbinding a permuted view costs one more full copy.
+        # each [b, heads_per_partition, s, head_dim]
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
         dropout = self.dropout if self.training else 0.0
         # Attention probabilities are split by head, so their dropout draws from this TP rank's
         # own stream.

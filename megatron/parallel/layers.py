@@ -111,13 +111,15 @@ class RowParallelLinear(nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        self.group = state.tp_group
+        self.group, self.tp_size = state.tp_group, state.tp_size
         self.in_per_partition = _divide(in_features, state.tp_size, "in_features")
         device = device or state.device
         self.weight = _sharded_param((out_features, in_features), 1, state, init, device)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.tp_size == 1:  # nothing to reduce: let the matmul add the bias (no extra pass)
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,109 @@
+"""Time one training step of our TP=1 GPT against a plain PyTorch GPT of the same shape.
+
+A step is forward, backward, AdamW step and zero_grad. Both models live in this process and their
+steps alternate (ours, plain, ours, ...), so a busy neighbour slows both alike; the machine's load
+average is printed with the result because on 2 shared cores it moves the times several-fold.
+Prints one JSON line: {ours_ms, plain_ms, ratio, threads, loadavg}; the times are medians.
+
+    .venv/bin/python benchmarks/bench_gpt_step.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.plain_gpt import PlainGPT  # noqa: E402
+from megatron.config import ModelConfig  # noqa: E402
+from megatron.models.gpt import GPTModel  # noqa: E402
+from megatron.parallel.random import RNGTracker  # noqa: E402
+from megatron.parallel.state import initialize, shutdown  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 32000, 256, 8
+SEED = 1234
+
+
+def build_ours() -> GPTModel:
+    """Our GPT on a world of one, dropout off (the plain model has none)."""
+    state = initialize(1)
+    cfg = ModelConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        seq_length=SEQ,
+        # A bare ModelConfig leaves these None until config.resolve(); the model needs numbers.
+        max_position_embeddings=SEQ,
+        ffn_hidden_size=4 * HIDDEN,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    tracker = RNGTracker(state.device)
+    tracker.seed(SEED, state.tp_rank)
+    padded = -(-VOCAB // cfg.make_vocab_size_divisible_by) * cfg.make_vocab_size_divisible_by
+    return GPTModel(cfg, VOCAB, padded, state, tracker)
+
+
+def make_step(loss_fn: Callable[[], torch.Tensor], model: torch.nn.Module) -> Callable[[], float]:
+    """A closure running one full training step and returning its wall time in ms."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> float:
+        start = time.perf_counter()
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad()
+        return (time.perf_counter() - start) * 1e3
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per model first")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ours = build_ours().train()
+    torch.manual_seed(SEED)
+    plain = PlainGPT(VOCAB, SEQ, LAYERS, HIDDEN, HEADS).train()
+    g = torch.Generator().manual_seed(SEED)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    tokens, labels = data[:, :-1], data[:, 1:]
+
+    steps = {
+        "ours": make_step(lambda: ours(tokens, labels=labels).mean(), ours),
+        "plain": make_step(lambda: plain(tokens, labels), plain),
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(args.warmup + args.steps):
+        for name, step in steps.items():  # interleaved: ours, plain, ours, plain, ...
+            ms = step()
+            if i >= args.warmup:
+                times[name].append(ms)
+    shutdown()
+
+    ours_ms = statistics.median(times["ours"])
+    plain_ms = statistics.median(times["plain"])
+    result = {
+        "ours_ms": round(ours_ms, 1),
+        "plain_ms": round(plain_ms, 1),
+        "ratio": round(ours_ms / plain_ms, 3),
+        "threads": torch.get_num_threads(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""BERT samples from sentence-split data: Megatron's sample mapping, sentence order and masking.
+
+The data is an ``IndexedDataset`` with one sequence per sentence (``preprocess_data.py
+--split-sentences``). A *sample mapping* row ``(first, end, target)`` names the sentences
+``[first, end)`` of one document and a target length; every epoch regroups each eligible document
+greedily into such rows (see ``build_sample_mapping``) and the rows are shuffled within their epoch.
+The mapping is cached on disk. A sample is then made from its row and a random generator seeded by
+``(seed, index)`` alone, so it never depends on DP size, workers or restarts::
+
+    sentences [first, end) -> A = sentences before a random pivot, B = the rest
+    swap A and B with probability 0.5                         -> is_random (sentence order)
+    trim the longer of A, B at a random end until |A|+|B| <= target
+    [CLS] A [SEP] B [SEP]      types 0 ... 0 1 ... 1           -> mask 15% by whole words
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron.data.gpt_dataset import (
+    _BLEND_SURPLUS,
+    SPLIT_NAMES,
+    _blend,
+    _normalize,
+    cached_indices,
+    dataset_fingerprint,
+    parse_data_paths,
+    split_ranges,
+)
+from megatron.data.indexed_dataset import IndexedDataset, index_path
+from megatron.errors import ConfigError
+
+# Megatron skips documents holding a "sentence" this long: such lines are tables or code, not prose.
+LONG_SENTENCE_TOKENS = 512
+# Bump when the mapping algorithm changes, so stale caches are not reused.
+_MAPPING_VERSION = 1
+# Entries of the lockstep frontier per batch of epochs (bounds the builder's memory).
+_FRONTIER_CAP = 1 << 24
+
+
+@dataclass(frozen=True)
+class BertVocab:
+    """The ids BERT samples need, and which vocabulary entries continue a word (``##`` pieces)."""
+
+    cls: int
+    sep: int
+    mask: int
+    pad: int
+    is_continuation: np.ndarray  # bool[vocab_size]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of entries in the vocabulary (before any model padding)."""
+        return len(self.is_continuation)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: object) -> BertVocab:
+        """Take the ids and ``continuation_mask`` of a WordPiece tokenizer (``build_tokenizer``)."""
+        ids = {name: getattr(tokenizer, name, None) for name in ("cls", "sep", "mask", "pad")}
+        continuation = getattr(tokenizer, "continuation_mask", None)
+        missing = [f"[{name.upper()}]" for name, i in ids.items() if i is None]
+        if continuation is None or missing:
+            raise ConfigError(
+                f"tokenizer.type: BERT needs a WordPiece vocabulary with [CLS], [SEP], [MASK] and "
+                f"[PAD] (missing {', '.join(missing) or '## continuation pieces'}); "
+                "use tokenizer.type=wordpiece with a BERT vocab.txt"
+            )
+        return cls(is_continuation=np.asarray(continuation, dtype=bool), **ids)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective scramble of uint64 (the wrap-around is intended)."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+def _epoch_keys(seed: int, epochs: np.ndarray) -> np.ndarray:
+    """One random uint64 per (seed, epoch): the key of that epoch's target lengths."""
+    return _mix64(_mix64(np.array([seed], dtype=np.uint64)) + epochs.astype(np.uint64))
+
+
+def _targets(
+    keys: np.ndarray, firsts: np.ndarray, max_length: int, short_prob: float
+) -> np.ndarray:
+    """Per sample ``max_length``, or with probability ``short_prob`` uniform in [2, max_length].
+
+    A counter-based generator: one hash of (epoch key, first sentence) per sample, so the mapping
+    is the same however the build batches its epochs. Its high 32 bits decide whether the sample
+    is short and the low 32 bits pick the short length, two independent draws.
+    """
+    bits = _mix64(keys + firsts.astype(np.int64).view(np.uint64))
+    short = (bits >> 32) < np.uint64(round(short_prob * 2**32))
+    lengths = 2 + (bits & 0xFFFFFFFF) % np.uint64(max_length - 1)
+    return np.where(short, lengths.astype(np.int64), max_length)
+
+
+def build_sample_mapping(
+    document_indices: np.ndarray,
+    sequence_lengths: np.ndarray,
+    num_samples: int | None,
+    max_length: int,
+    short_seq_prob: float,
+    seed: int,
+    min_sentences: int = 2,
+) -> np.ndarray:
+    """Megatron's BERT sample mapping: rows ``(first sentence, end sentence, target length)``.
+
+    ``document_indices`` bounds the documents to use (sentence ids, documents+1 entries). Documents
+    with fewer than ``min_sentences`` sentences (2 for a binary head: one on each side of the
+    pivot) or with a sentence over LONG_SENTENCE_TOKENS are skipped. Each sample starts where the
+    previous one ended and takes sentences until it holds ``target`` tokens and ``min_sentences``
+    sentences, unless that would leave a single sentence behind: the document's last sample takes
+    the rest. Every document advances one sample per numpy step (all documents in lockstep), so
+    the work is vectorised over documents and epochs. Whole epochs are built until
+    ``num_samples`` rows exist (one epoch when None); rows are shuffled within their epoch and the
+    surplus of the last epoch is dropped. Empty when nothing is eligible.
+    """
+    docs = np.asarray(document_indices, dtype=np.int64)
+    base = int(docs[0])
+    sizes = sequence_lengths[base : docs[-1]]
+    # widen before the cumsum: numpy's casting accumulate is an order of magnitude slower
+    cum_tokens = np.concatenate([[0], np.cumsum(sizes.astype(np.int64))])
+    first, stop = docs[:-1] - base, docs[1:] - base
+    long = np.flatnonzero(sizes > LONG_SENTENCE_TOKENS)
+    has_long = np.searchsorted(long, stop) > np.searchsorted(long, first)
+    eligible = (stop - first >= min_sentences) & ~has_long
+    doc_first, doc_stop = first[eligible], stop[eligible]
+    if len(doc_first) == 0 or num_samples == 0:
+        return np.zeros((0, 3), dtype=np.int32)
+
+    dtype = np.int32 if docs[-1] <= np.iinfo(np.int32).max else np.int64  # halves the cache
+    rows: list[np.ndarray] = []  # one [samples, 3] array per epoch, shuffled
+    built, epoch = 0, 0
+    while epoch == 0 or (num_samples is not None and built < num_samples):
+        n_epochs = 1
+        if epoch > 0:  # batch the epochs still needed, estimated from the first one
+            wanted = math.ceil((num_samples - built) / len(rows[0]))
+            n_epochs = max(1, min(wanted, _FRONTIER_CAP // len(doc_first)))
+        epoch_ids = np.arange(epoch, epoch + n_epochs)
+        pieces = _group_sentences(
+            cum_tokens, doc_first, doc_stop, epoch_ids, base,
+            max_length, short_seq_prob, seed, min_sentences,
+        )  # fmt: skip
+        for e, piece in zip(epoch_ids.tolist(), pieces, strict=True):
+            if num_samples is not None and built >= num_samples:
+                break
+            order = np.random.default_rng([seed, e]).permutation(len(piece))
+            if num_samples is not None:
+                order = order[: num_samples - built]
+            rows.append(piece[order].astype(dtype))
+            built += len(order)
+        epoch += n_epochs
+    return np.concatenate(rows)
+
+
+def _group_sentences(
+    cum_tokens: np.ndarray,
+    doc_first: np.ndarray,
+    doc_stop: np.ndarray,
+    epoch_ids: np.ndarray,
+    base: int,
+    max_length: int,
+    short_seq_prob: float,
+    seed: int,
+    min_sentences: int,
+) -> list[np.ndarray]:
+    """Group every document of every epoch in ``epoch_ids`` into samples; [n, 3] rows per epoch.
+
+    All documents advance one sample per step. The frontier stays sorted by epoch, so each step's
+    rows split into per-epoch runs, and each epoch's rows come out in the same order however the
+    epochs are batched.
+    """
+    epochs = np.repeat(epoch_ids, len(doc_first))
+    keys = np.repeat(_epoch_keys(seed, epoch_ids), len(doc_first))
+    starts, stops = np.tile(doc_first, len(epoch_ids)), np.tile(doc_stop, len(epoch_ids))
+    per_epoch: list[list[tuple[np.ndarray, ...]]] = [[] for _ in epoch_ids]
+    while len(starts):
+        target = _targets(keys, starts + base, max_length, short_seq_prob)
+        # the sentence at which the running token count reaches the target
+        last = np.searchsorted(cum_tokens, cum_tokens[starts] + target) - 1
+        last = np.maximum(last, starts + min_sentences - 1)
+        last = np.where(last > stops - 3, stops - 1, last)  # never leave one sentence behind
+        bounds = np.searchsorted(epochs, epoch_ids, side="right").tolist()
+        for k, (lo, hi) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)):
+            if hi > lo:
+                per_epoch[k].append((starts[lo:hi], last[lo:hi] + 1, target[lo:hi]))
+        more = last + 1 < stops
+        epochs, keys, starts, stops = epochs[more], keys[more], last[more] + 1, stops[more]
+    rows = []
+    for pieces in per_epoch:
+        first, end, target = (np.concatenate(column) for column in zip(*pieces, strict=True))
+        rows.append(np.stack([first + base, end + base, target], axis=1))
+    return rows
+
+
+def truncate_pair(
+    a: np.ndarray, b: np.ndarray, target: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trim the longer segment (B on ties) one token at a time until ``|a|+|b| <= target``.
+
+    Each removed token comes from the front or the back with probability 1/2; only the counts per
+    segment are fixed, so they are computed directly and the front share drawn as a binomial.
+    """
+    excess = len(a) + len(b) - target
+    if excess <= 0:
+        return a, b
+    first = min(excess, abs(len(a) - len(b)))  # trims the longer one until they are level
+    rest = excess - first  # then alternating, B first
+    cut_a = rest // 2 + (first if len(a) > len(b) else 0)
+    cut_b = rest - rest // 2 + (first if len(b) > len(a) else 0)
+    front_a, front_b = rng.binomial(cut_a, 0.5), rng.binomial(cut_b, 0.5)
+    return a[front_a : len(a) - cut_a + front_a], b[front_b : len(b) - cut_b + front_b]
+
+
+def _check_options(
+    seq_length: int, masked_lm_prob: float, short_seq_prob: float, max_ngram: int
+) -> None:
+    if seq_length < 5:
+        raise ConfigError(
+            f"model.seq_length={seq_length} is too short for BERT: [CLS] A [SEP] B [SEP] needs "
+            "at least 5 positions"
+        )
+    if not 0.0 < masked_lm_prob < 1.0:
+        raise ConfigError(f"bert.masked_lm_prob={masked_lm_prob} must be in (0, 1); BERT uses 0.15")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ConfigError(f"bert.short_seq_prob={short_seq_prob} must be in [0, 1]; BERT uses 0.1")
+    if max_ngram < 1:
+        raise ConfigError(f"bert.max_ngram={max_ngram} must be at least 1; Megatron uses 3")
+
+
+def masked_count(num_maskable: int, masked_lm_prob: float) -> int:
+    """How many tokens a sample with ``num_maskable`` non-special tokens masks (at least one)."""
+    return max(1, round(num_maskable * masked_lm_prob)) if num_maskable else 0
+
+
+class BertDataset(torch.utils.data.Dataset):
+    """Masked-LM + sentence-order samples over a sentence-split IndexedDataset.
+
+    Each item is a dict of numpy arrays of length ``seq_length``: ``text`` (the masked input),
+    ``types`` (0 for [CLS] A [SEP], 1 for B [SEP]), ``labels`` (the original id where masked, -1
+    elsewhere), ``loss_mask`` (float32, 1 where masked), ``padding_mask`` (1 on real tokens) and the
+    scalar ``is_random`` (1 when A and B were swapped). Without ``binary_head`` a sample is
+    ``[CLS] A [SEP]`` with all its sentences in A (Megatron's option for BERT without the
+    sentence-order head), and ``is_random`` is always 0.
+
+    Masking follows BERT with whole words and n-grams: a word is a piece plus the ``##`` pieces
+    after it; words are visited in random order, each proposing an n-gram of 1..max_ngram whole
+    words (probability proportional to 1/n, shortened while it would overshoot the budget) that
+    is taken unless it overlaps one already taken, until ``masked_count`` tokens are chosen. Each
+    chosen token becomes [MASK] (80%), a random non-special id (10%) or stays (10%). [CLS], [SEP],
+    [MASK] and [PAD] are never chosen, and n-grams never span a [SEP].
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: tuple[int, int],
+        num_samples: int | None,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | None,
+        vocab: BertVocab,
+        masked_lm_prob: float = 0.15,
+        short_seq_prob: float = 0.1,
+        max_ngram: int = 3,
+        binary_head: bool = True,
+    ) -> None:
+        _check_options(seq_length, masked_lm_prob, short_seq_prob, max_ngram)
+        begin, end = documents
+        min_sentences = 2 if binary_head else 1
+        self.key = {
+            "kind": "bert",
+            "version": _MAPPING_VERSION,
+            "idx_sha1": dataset_fingerprint(indexed.prefix),
+            "documents": [begin, end],
+            "num_samples": num_samples,
+            "max_length": seq_length - 3,
+            "short_seq_prob": short_seq_prob,
+            "seed": seed,
+            "min_sentences": min_sentences,
+        }
+        doc_bounds = indexed.document_indices[begin : end + 1]
+        self.mapping = cached_indices(
+            cache_dir,
+            "bert",
+            self.key,
+            ("mapping",),
+            lambda: {
+                "mapping": build_sample_mapping(
+                    doc_bounds,
+                    indexed.sequence_lengths,
+                    num_samples,
+                    seq_length - 3,  # room for [CLS] and two [SEP]
+                    short_seq_prob,
+                    seed,
+                    min_sentences,
+                )
+            },
+        )["mapping"]
+        if len(self.mapping) == 0:
+            raise ConfigError(
+                f"{index_path(indexed.prefix)}: no document in [{begin}, {end}) has "
+                f"{min_sentences}+ sentences of at most {LONG_SENTENCE_TOKENS} tokens; BERT "
+                "needs sentence-split data (tools/preprocess_data.py --split-sentences)"
+            )
+        self.indexed = indexed
+        self.seq_length = seq_length
+        self.seed = seed
+        self.vocab = vocab
+        self.masked_lm_prob = masked_lm_prob
+        self.max_ngram = max_ngram
+        self.binary_head = binary_head
+        self._special = np.zeros(vocab.vocab_size, dtype=bool)
+        self._special[[vocab.cls, vocab.sep, vocab.mask, vocab.pad]] = True
+        self._replacements = np.flatnonzero(~self._special)
+        # cumulative 1/n weights: an n-gram length is drawn by inverting this CDF
+        self._ngram_cdf = np.cumsum(1.0 / np.arange(1, max_ngram + 1))
+
+    def __len__(self) -> int:
+        return len(self.mapping)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        """Sample ``idx``, a function of (seed, idx) and the data only."""
+        first, end, target = (int(v) for v in self.mapping[idx])
+        rng = np.random.default_rng([self.seed, idx])
+        sentences = [self.indexed[i] for i in range(first, end)]
+        is_random = False
+        if self.binary_head:
+            pivot = int(rng.integers(1, len(sentences)))
+            a, b = np.concatenate(sentences[:pivot]), np.concatenate(sentences[pivot:])
+            is_random = bool(rng.random() < 0.5)
+            if is_random:
+                a, b = b, a
+        else:
+            a, b = np.concatenate(sentences), sentences[0][:0]
+        a, b = truncate_pair(a, b, target, rng)
+
+        v, s = self.vocab, self.seq_length
+        pieces = [[v.cls], a, [v.sep], *([b, [v.sep]] if self.binary_head else [])]
+        n = sum(len(piece) for piece in pieces)
+        tokens = np.full(s, v.pad, dtype=np.int64)
+        tokens[:n] = np.concatenate(pieces)
+        types = np.zeros(s, dtype=np.int64)
+        types[len(a) + 2 : n] = 1
+        positions = self._choose_masked(tokens[:n], rng)
+        text = tokens.copy()
+        draw = rng.random(len(positions))
+        text[positions[draw < 0.8]] = v.mask
+        swapped = positions[draw >= 0.9]
+        text[swapped] = self._replacements[rng.integers(0, len(self._replacements), len(swapped))]
+        labels = np.full(s, -1, dtype=np.int64)
+        labels[positions] = tokens[positions]
+        loss_mask = np.zeros(s, dtype=np.float32)
+        loss_mask[positions] = 1.0
+        padding_mask = np.zeros(s, dtype=np.int64)
+        padding_mask[:n] = 1
+        return {
+            "text": text,
+            "types": types,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "padding_mask": padding_mask,
+            "is_random": np.int64(is_random),
+        }
+
+    def _choose_masked(self, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Sorted positions to mask: whole-word n-grams, ``masked_count`` tokens in total."""
+        maskable = ~self._special[tokens]
+        joins_previous = self.vocab.is_continuation[tokens] & np.concatenate(
+            [[False], maskable[:-1]]
+        )
+        is_start = maskable & ~joins_previous
+        starts = np.flatnonzero(is_start)
+        num_words = len(starts)
+        if num_words == 0:
+            return starts
+        ends = starts + np.bincount(np.cumsum(is_start)[maskable] - 1, minlength=num_words)
+        # span[w]: how many words an n-gram at word w may cover; it grows over the next word only
+        # when no special token ([SEP]) sits between them
+        adjacent = ends[:-1] == starts[1:]
+        span = np.ones(num_words, dtype=np.int64)
+        joined = np.ones(num_words, dtype=bool)
+        for k in range(1, self.max_ngram):
+            m = max(num_words - k, 0)  # words that have a k-th word after them
+            joined[m:] = False
+            joined[:m] &= adjacent[k - 1 :]
+            span += joined
+        draw = rng.random(num_words) * self._ngram_cdf[span - 1]
+        ngram = np.searchsorted(self._ngram_cdf, draw, side="right") + 1
+
+        budget = masked_count(int(maskable.sum()), self.masked_lm_prob)
+        starts_l, ends_l, ngram_l = starts.tolist(), ends.tolist(), ngram.tolist()
+        taken = [False] * num_words
+        chosen: list[np.ndarray] = []
+        count = 0
+        for w in rng.permutation(num_words).tolist():
+            if count >= budget:
+                break
+            n = ngram_l[w]
+            while n and count + ends_l[w + n - 1] - starts_l[w] > budget:
+                n -= 1
+            if n == 0 or any(taken[w : w + n]):
+                continue
+            taken[w : w + n] = [True] * n
+            chosen.append(np.arange(starts_l[w], ends_l[w + n - 1]))
+            count += ends_l[w + n - 1] - starts_l[w]
+        return np.sort(np.concatenate(chosen)) if chosen else np.zeros(0, dtype=np.int64)
+
+
+def build_bert_datasets(
+    paths: Sequence,
+    split: str,
+    num_samples: tuple[int, int, int],
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None,
+    vocab: BertVocab,
+    masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1,
+    max_ngram: int = 3,
+    binary_head: bool = True,
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over documents).
+
+    A split asked for 0 samples is None. One unweighted prefix gives a BertDataset; several are
+    blended exactly as ``build_gpt_datasets`` blends GPT data (weighted: each part indexes its
+    share plus megatron-core's surplus; unweighted: one epoch each, in proportion to their sizes).
+    """
+    prefixes, weights = parse_data_paths(list(paths))
+    indexed = [IndexedDataset(p) for p in prefixes]
+    ranges = [split_ranges(split, ds.num_documents) for ds in indexed]
+
+    def part(ds: IndexedDataset, documents: tuple[int, int], size: int | None) -> BertDataset:
+        return BertDataset(
+            ds, documents, size, seq_length, seed, cache_dir, vocab,
+            masked_lm_prob, short_seq_prob, max_ngram, binary_head,
+        )  # fmt: skip
+
+    result: list[torch.utils.data.Dataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        n = num_samples[i]
+        if not n:
+            result.append(None)
+            continue
+        documents = [r[i] for r in ranges]
+        for ds, docs in zip(indexed, documents, strict=True):
+            if docs is None or docs[0] == docs[1]:
+                raise ConfigError(
+                    f'data.split="{split}" leaves the {name} split of {ds.prefix} no documents '
+                    f"({ds.num_documents} in all, {n} samples requested); give {name} a larger "
+                    "share or more data"
+                )
+        if len(prefixes) == 1 and weights is None:
+            result.append(part(indexed[0], documents[0], n))
+            continue
+        if weights is not None:
+            w = _normalize(weights)
+            sizes = [math.ceil(math.ceil(n * wd) * (1 + _BLEND_SURPLUS)) for wd in w]
+            parts = [part(*args) for args in zip(indexed, documents, sizes, strict=True)]
+        else:
+            parts = [part(ds, docs, None) for ds, docs in zip(indexed, documents, strict=True)]
+            w = _normalize([len(p) for p in parts])
+            if n > sum(len(p) for p in parts):
+                raise ConfigError(
+                    f"data.paths: the {name} split has {sum(len(p) for p in parts)} samples "
+                    f"in one epoch but {n} are requested; give weights ([w1, prefix1, ...]) "
+                    "to repeat data, or add data"
+                )
+        result.append(_blend(parts, w, n, name, cache_dir))
+    return tuple(result)

@@ -1,0 +1,95 @@
+"""The DP-sharded, resumable micro-batch stream.
+
+Training step k covers the global samples ``[consumed + k * gbs, consumed + (k + 1) * gbs)`` in
+dataset index order (the dataset is already shuffled). Data-parallel rank r takes a contiguous
+block of ``gbs / dp`` of them and cuts it into micro-batches. For 2 ranks, gbs 8, mbs 2::
+
+    step k:  | s0 s1 s2 s3 | s4 s5 s6 s7 |
+             |   rank 0    |   rank 1    |
+             | mb0  | mb1  | mb0  | mb1  |
+
+So the samples a step sees depend only on (consumed_samples, global_batch_size): never on the DP
+size, the worker count or restarts, and resuming at ``consumed_samples`` continues the stream
+exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron.errors import ConfigError
+
+
+class MicroBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Index lists of this rank's micro-batches, step after step, until the data runs out.
+
+    A step whose global batch would run past the end of the dataset is not started.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
+        if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
+            raise ConfigError(
+                f"training.global_batch_size={global_batch_size} must be a multiple of "
+                f"training.micro_batch_size={micro_batch_size} x data-parallel size {dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        if consumed_samples < 0:
+            raise ConfigError(f"consumed_samples={consumed_samples} must be >= 0")
+        self.num_samples = num_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.per_rank = global_batch_size // dp_size
+        self.rank_offset = dp_rank * self.per_rank
+
+    def __len__(self) -> int:
+        """Micro-batches this rank will yield."""
+        steps = max(0, (self.num_samples - self.consumed_samples) // self.global_batch_size)
+        return steps * (self.per_rank // self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step_start = self.consumed_samples
+        while step_start + self.global_batch_size <= self.num_samples:
+            first = step_start + self.rank_offset
+            for mb in range(first, first + self.per_rank, self.micro_batch_size):
+                yield list(range(mb, mb + self.micro_batch_size))
+            step_start += self.global_batch_size
+
+
+def build_loader(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches from ``consumed_samples`` on: dicts of [micro_batch, ...] tensors.
+
+    Each training step takes ``global_batch_size / (micro_batch_size * dp_size)`` of them.
+    ``pin_memory`` applies only where CUDA is available.
+    """
+    sampler = MicroBatchSampler(
+        len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=False,
+    )
+    return iter(loader)

@@ -1,0 +1,63 @@
+"""Pretrain GPT: names the model, the data and the loss, and hands them to the shared loop.
+
+torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config configs/gpt_tiny.yaml
+python pretrain_gpt.py --config configs/gpt_tiny.yaml training.train_iters=20   # one process
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import Tensor, nn
+
+from megatron.config import Config
+from megatron.data.gpt_dataset import build_gpt_datasets
+from megatron.data.tokenizers import Tokenizer
+from megatron.models.gpt import GPTModel
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+from megatron.training import main
+
+
+def model_provider(
+    cfg: Config, vocab_size: int, padded_vocab_size: int, state: ParallelState, tracker: RNGTracker
+) -> nn.Module:
+    return GPTModel(cfg.model, vocab_size, padded_vocab_size, state, tracker)
+
+
+def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int]):
+    d = cfg.data
+    return build_gpt_datasets(
+        d.paths,
+        d.split,
+        num_samples,
+        cfg.model.seq_length,
+        cfg.training.seed,
+        d.cache_dir,
+        tokenizer.eod,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+    )
+
+
+def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean per-token loss over the tokens the loss mask keeps."""
+    losses = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )  # [b, s], fp32
+    mask = batch["loss_mask"]
+    loss = (losses * mask).sum() / mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+if __name__ == "__main__":
+    sys.exit(
+        main(
+            sys.argv[1:],
+            "Pretrain a tensor-parallel GPT.",
+            model_provider,
+            datasets_provider,
+            forward_step,
+        )
+    )

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The CPU demo: sample corpus -> sentencepiece tokenizer -> .bin/.idx -> gpt_tiny at TP=2.
+# Every step reuses what an earlier run left in data/; a second run resumes from the checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+mkdir -p data
+[ -f data/corpus.jsonl ] || $PY tools/make_sample_corpus.py --output data/corpus.jsonl --size-mb 4
+[ -f data/tokenizer.model ] || $PY tools/train_tokenizer.py --input data/corpus.jsonl \
+    --model-prefix data/tokenizer --vocab-size 4096 --model-type bpe
+[ -f data/corpus_text_document.idx ] || $PY tools/preprocess_data.py --input data/corpus.jsonl \
+    --output-prefix data/corpus --tokenizer-type sentencepiece \
+    --tokenizer-model data/tokenizer.model --append-eod --workers 2
+exec $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+    pretrain_gpt.py --config configs/gpt_tiny.yaml "$@"
