@@ -20,7 +20,7 @@ from typing import TextIO
 
 import numpy as np
 
-from megatron.config import Config, validate, weighted_paths
+from megatron.config import TOKENIZER_FILES, Config, validate, weighted_paths
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.errors import ConfigError
 from megatron.estimate import (
@@ -41,12 +41,6 @@ from megatron.flops import flops_per_iteration
 SAMPLE_TOKENS = 2**28
 _BLOCKS = 64  # evenly spaced blocks a sampled scan reads
 _CHUNK = 2**24  # tokens reduced at once, so a block never needs more than this in memory
-_TOKENIZER_KEYS = {
-    "sentencepiece": ("model",),
-    "gpt2": ("vocab_file", "merges_file"),
-    "wordpiece": ("vocab_file",),
-    "hf": ("model",),
-}
 
 
 @dataclass(frozen=True)
@@ -131,7 +125,7 @@ def check_hdf5(
 def missing_files(cfg: Config) -> list[str]:
     """Configured tokenizer, data and checkpoint paths that do not exist on this machine."""
     tok = cfg.tokenizer
-    paths = [getattr(tok, key) for key in _TOKENIZER_KEYS[tok.type]]
+    paths = [getattr(tok, key) for key in TOKENIZER_FILES[tok.type].split()]
     missing = [p for p in paths if p and not os.path.exists(p)]
     for _, prefix in weighted_paths(cfg.data.paths):
         if cfg.data.format == "indexed":
@@ -146,7 +140,7 @@ def missing_files(cfg: Config) -> list[str]:
 def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
     """The tokenizer's vocabulary size, and how it was found (built, or assumed when absent)."""
     tok = cfg.tokenizer
-    files = [getattr(tok, key) for key in _TOKENIZER_KEYS[tok.type]]
+    files = [getattr(tok, key) for key in TOKENIZER_FILES[tok.type].split()]
     if not any(f in missing for f in files):
         from megatron.data.tokenizers import build_tokenizer
 
@@ -158,7 +152,7 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
     # Google's BERT WordPiece vocabularies (uncased, cased).
     known = {"gpt2": 50257, "wordpiece": 30522 if tok.lower_case else 28996}.get(tok.type)
     if known is None:
-        key = _TOKENIZER_KEYS[tok.type][0]
+        key = TOKENIZER_FILES[tok.type].split()[0]
         raise ConfigError(
             f"tokenizer.{key}: {getattr(tok, key)} not found; the dry run needs it for the "
             "vocabulary size, copy it here or fix the path"

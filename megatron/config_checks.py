@@ -1,0 +1,178 @@
+"""Config checks: every user mistake named by key with its fix, before any process starts work.
+
+``validate`` runs them all; ``check_world`` alone is what ``Config.derived`` needs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from megatron.config import TOKENIZER_FILES, Config, split_fractions, weighted_paths
+from megatron.errors import ConfigError
+
+# Numeric ranges, one table so every key is covered once; null values are not checked.
+_POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
+    model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
+    model.layernorm_epsilon parallel.tensor_parallel_size parallel.timeout_minutes
+    parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
+    training.train_iters training.train_samples training.eval_interval training.exit_interval
+    training.exit_duration_in_mins training.max_consecutive_nan optimizer.lr
+    optimizer.lr_decay_iters optimizer.adam_eps precision.loss_scale precision.initial_loss_scale
+    precision.loss_scale_window precision.hysteresis precision.min_loss_scale
+    checkpoint.save_interval checkpoint.keep_last logging.log_interval bert.max_ngram""".split()
+_NON_NEGATIVE = """model.init_method_std training.eval_iters data.num_workers optimizer.min_lr
+    optimizer.weight_decay optimizer.clip_grad optimizer.lr_warmup_iters optimizer.lr_warmup_init
+    bert.num_tokentypes""".split()
+_FRACTION = """model.hidden_dropout model.attention_dropout optimizer.adam_beta1
+    optimizer.adam_beta2 bert.masked_lm_prob bert.short_seq_prob""".split()  # in [0, 1)
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
+
+
+def _multiples(n: int, step: int) -> str:
+    """The multiples of ``step`` either side of ``n``, as 'a or b'."""
+    return " or ".join(str(x) for x in (n // step * step, (n // step + 1) * step) if x)
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key in _POSITIVE + _NON_NEGATIVE + _FRACTION:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None:
+            continue
+        if key in _POSITIVE and not value > 0:
+            raise ConfigError(f"{key}={value} must be positive; fix the value")
+        if key in _NON_NEGATIVE and not value >= 0:
+            raise ConfigError(f"{key}={value} must be zero or positive; fix the value")
+        if key in _FRACTION and not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1); fix the value")
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """The checks that need the world size: tp | world, tp | heads, mbs * dp | gbs."""
+    _check_ranges(cfg)
+    tp, heads = cfg.parallel.tensor_parallel_size, cfg.model.num_attention_heads
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be at least 1; fix --world-size")
+    if world_size % tp:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp} does not divide the world size "
+            f"{world_size}; use {_divisors(world_size)} or launch a multiple of {tp}"
+        )
+    if heads % tp:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp} does not divide "
+            f"model.num_attention_heads={heads}; use {_divisors(heads)}"
+        )
+    mbs, gbs, dp = cfg.training.micro_batch_size, cfg.training.global_batch_size, world_size // tp
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"training.global_batch_size={gbs} is not a multiple of training."
+            f"micro_batch_size * DP = {mbs} * {dp}; use {_multiples(gbs, mbs * dp)}"
+        )
+
+
+def _check_config(cfg: Config) -> None:
+    """The checks that need neither the world size nor the file system."""
+    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.precision
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model."
+            f"num_attention_heads={m.num_attention_heads}; use "
+            f"{_multiples(m.hidden_size, m.num_attention_heads)}"
+        )
+    if m.ffn_hidden_size % cfg.parallel.tensor_parallel_size:
+        raise ConfigError(
+            f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
+            f"tensor_parallel_size={cfg.parallel.tensor_parallel_size}; use "
+            f"{_multiples(m.ffn_hidden_size, cfg.parallel.tensor_parallel_size)}"
+        )
+    if m.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings"
+            f"={m.max_position_embeddings}; raise it to at least {m.seq_length}"
+        )
+    if p.min_loss_scale > p.initial_loss_scale:
+        raise ConfigError(
+            f"precision.min_loss_scale={p.min_loss_scale} exceeds precision."
+            f"initial_loss_scale={p.initial_loss_scale}; lower it"
+        )
+    if t.train_iters is None:
+        raise ConfigError("set training.train_iters or training.train_samples (how long to train)")
+    if t.train_samples is not None and t.train_iters != -(-t.train_samples // t.global_batch_size):
+        raise ConfigError(
+            f"training.train_iters={t.train_iters} disagrees with training."
+            f"train_samples={t.train_samples} / global_batch_size="
+            f"{t.global_batch_size}; set only one of them"
+        )
+    if o.min_lr > o.lr or o.lr_warmup_init > o.lr:
+        raise ConfigError(
+            f"optimizer.min_lr={o.min_lr} and optimizer.lr_warmup_init="
+            f"{o.lr_warmup_init} must not exceed optimizer.lr={o.lr}; lower them"
+        )
+    if o.lr_decay_style != "constant" and o.lr_warmup_iters >= o.lr_decay_iters:
+        raise ConfigError(
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below optimizer."
+            f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); "
+            "shorten the warmup"
+        )
+    if cfg.checkpoint.finetune and not cfg.checkpoint.load:
+        raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to tune)")
+    weighted_paths(cfg.data.paths)
+    split_fractions(cfg.data.split)
+    for key in TOKENIZER_FILES[cfg.tokenizer.type].split():
+        if not getattr(cfg.tokenizer, key):
+            raise ConfigError(f"tokenizer.type={cfg.tokenizer.type} needs tokenizer.{key}; set it")
+
+
+def _check_files(cfg: Config) -> None:
+    """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id."""
+    tok = cfg.tokenizer
+    for key in TOKENIZER_FILES[tok.type].split():
+        if not os.path.isfile(getattr(tok, key)):
+            raise ConfigError(f"tokenizer.{key}: {getattr(tok, key)} not found; fix the path")
+    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+        raise ConfigError(
+            f"checkpoint.load: {cfg.checkpoint.load} not found; fix the path or set "
+            "checkpoint.load=null to start from scratch"
+        )
+    prefixes = [p for _, p in weighted_paths(cfg.data.paths)]
+    if cfg.data.format == "hdf5":
+        for path in prefixes:
+            if not os.path.exists(path):
+                raise ConfigError(f"data.paths: {path} not found; list hdf5 shard files or folders")
+        return
+    # Imported here: the checks above (shipped configs, dry runs without data) need neither.
+    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.data.tokenizers import build_tokenizer
+
+    vocab_size = build_tokenizer(
+        tok.type,
+        model=tok.model,
+        vocab_file=tok.vocab_file,
+        merges_file=tok.merges_file,
+        lower_case=tok.lower_case,
+    ).vocab_size
+    for prefix in prefixes:
+        dtype = IndexedDataset(prefix).dtype  # raises ConfigError naming a missing/corrupt file
+        if dtype.kind not in "iu" or np.iinfo(dtype).max < vocab_size - 1:
+            raise ConfigError(
+                f"{prefix}.idx: token dtype {dtype} cannot hold the tokenizer's "
+                f"{vocab_size} ids; re-run tools/preprocess_data.py with it"
+            )
+
+
+def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
+    """Every check, before any process group or data work; raises ConfigError naming key and fix.
+
+    ``check_files=False`` skips the file-system checks (shipped configs, dry runs elsewhere).
+    """
+    check_world(cfg, world_size)
+    _check_config(cfg)
+    if check_files:
+        _check_files(cfg)
