@@ -129,6 +129,13 @@ def test_error_leaves_no_files(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_failed_finalize_leaves_no_files(tmp_path):
+    with pytest.raises(ValueError, match="close the document first"):
+        with IndexedDatasetWriter(str(tmp_path / "ds"), np.uint16) as w:
+            w.add_sequence([1, 2])  # never closed by end_document()
+    assert os.listdir(tmp_path) == []
+
+
 def test_token_out_of_range_for_dtype(tmp_path):
     with pytest.raises(ConfigError, match="70000 does not fit uint16"):
         with IndexedDatasetWriter(str(tmp_path / "ds"), np.uint16) as w:

@@ -103,10 +103,14 @@ class IndexedDatasetWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            self.finalize()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.finalize()
+        except BaseException:
+            self.abort()
+            raise
 
     def add_sequence(self, tokens: np.ndarray | list[int]) -> None:
         """Append one sequence (a sentence, or a whole document) to the current document."""

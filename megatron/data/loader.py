@@ -90,6 +90,5 @@ def build_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
-        persistent_workers=False,
     )
     return iter(loader)
