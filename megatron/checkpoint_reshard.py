@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from megatron.errors import ConfigError
-from megatron.parallel.layers import VocabParallelEmbedding, split_dim
+from megatron.parallel.layers import split_dim
 from megatron.parallel.state import ParallelState
 
 FORMAT_VERSION = 1
@@ -113,12 +113,8 @@ def verify_checkpoint(ckpt_dir: str) -> str | None:
 
 
 def vocab_params(model: nn.Module) -> set[str]:
-    """Names of the parameters whose rows are the (padded) vocabulary."""
-    return {
-        f"{name}.weight" if name else "weight"
-        for name, m in model.named_modules()
-        if isinstance(m, VocabParallelEmbedding)
-    }
+    """Names of the parameters whose rows are the (padded) vocabulary (``vocab_padded`` set)."""
+    return {name for name, p in model.named_parameters() if getattr(p, "vocab_padded", False)}
 
 
 def padded_vocab(model: nn.Module, tp_size: int) -> int | None:

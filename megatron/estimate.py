@@ -10,6 +10,7 @@ P position rows, t tensor-parallel size, e bytes per element of the model dtype.
     embeddings  word V*h (split by vocab, and the tied LM head), position P*h (replicated)
     final LN    2h (pre-LN only; post-LN ends in a layer's own LayerNorm)
     BERT adds   token types T*h, LM head dense h*h + h, LN 2h, output bias V (split),
+                with post-LN the embedding LayerNorm 2h (original BERT's; pre-LN has none),
                 and with a binary head (sop/nsp) the pooler h*h + h and the classifier 2h + 2
 
 **Memory** of our implementation, per parameter held by this GPU: e bytes of weights, 4 of
@@ -32,13 +33,20 @@ figure the fit uses; the 5as/h term (what unfused attention, e.g. the CPU math p
 dropout, would add) is reported apart.
 With full recomputation a layer keeps only its input (e*s*b*h, replicated) and backward rebuilds
 one layer's working set at a time: L*e*s*b*h + one layer. Outside the layers: the embedding
-dropout mask, the LM head's input, with pre-LN the final LayerNorm's input and statistics, and
-for BERT its head's dense, GeLU and LayerNorm inputs.
+dropout mask, the final hidden states (the LM head's input; BERT's pooler keeps them through
+its [CLS] view, so BERT without a binary head frees them), with pre-LN the final LayerNorm's
+input and statistics; for BERT with post-LN the embedding LayerNorm's input and statistics
+instead, its MLM head's dense, GeLU, LayerNorm and logit-matmul inputs and LayerNorm statistics,
+and the pooled [CLS] (e*b*h).
 
-**Logits and loss**: the LM head's [b, s, V/t] logits in the model dtype and the vocab-parallel
+**Head tokens**: GPT's LM head sees all b*s tokens; BERT's runs on the masked ones only,
+b*n with n = masked_count(s - 3) (every token but [CLS] and two [SEP] maskable: the most a
+sample masks), so its head terms and its logits scale with b*n instead.
+
+**Logits and loss**: the LM head's [tokens, V/t] logits in the model dtype and the vocab-parallel
 cross entropy's fp32 copy (reused for the softmax and the gradient) are alive together:
-(e + 4)*b*s*V/t. The tied embedding's ``.grad`` (e*V*h/t) lives from the LM head's backward until
-the embedding's, before the hook moves it into ``main_grad``.
+(e + 4)*tokens*V/t. The tied embedding's ``.grad`` (e*V*h/t) lives from the LM head's backward
+until the embedding's, before the hook moves it into ``main_grad``.
 
 FLOPs come from megatron/flops.py.
 """
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron.config import Config, ModelConfig
+from megatron.data.bert_dataset import masked_count
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
@@ -97,6 +106,8 @@ def count_parameters(
     if model_type == "bert":
         split += v  # the LM head's output bias, split by vocabulary like the logits
         replicated += num_tokentypes * h + (h * h + h) + 2 * h
+        if model.layernorm_position == "post":
+            replicated += 2 * h  # the embedding LayerNorm
         if binary_head:
             replicated += (h * h + h) + (2 * h + 2)
     return ParamCount(tp_size, split, replicated)
@@ -177,15 +188,27 @@ def estimate_memory(
         cfg.bert.num_tokentypes,
         cfg.bert.binary_head != "none",
     ).per_gpu
-    sbh = m.seq_length * cfg.training.micro_batch_size * m.hidden_size
-    tokens = m.seq_length * cfg.training.micro_batch_size
-    # The embedding dropout mask and the LM head's input; pre-LN adds the final LayerNorm's
-    # input and statistics (post-LN ends in a layer's own LayerNorm).
-    outside_layers = (1 if m.hidden_dropout > 0 else 0) * sbh + e * sbh
-    if m.layernorm_position == "pre":
+    b = cfg.training.micro_batch_size
+    sbh = m.seq_length * b * m.hidden_size
+    tokens = m.seq_length * b
+    head_tokens = tokens
+    if model_type == "bert":
+        head_tokens = b * masked_count(m.seq_length - 3, cfg.bert.masked_lm_prob)
+    binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
+    # The embedding dropout mask and the final hidden states (GPT's LM head input; BERT's pooler
+    # keeps them alive through its [CLS] view); pre-LN adds the final LayerNorm's input and
+    # statistics (GPT's post-LN ends in a layer's own LayerNorm; BERT's post-LN starts with the
+    # embedding LayerNorm, as big).
+    outside_layers = (1 if m.hidden_dropout > 0 else 0) * sbh
+    if model_type == "gpt" or binary_head:
+        outside_layers += e * sbh
+    if m.layernorm_position == "pre" or model_type == "bert":
         outside_layers += e * sbh + 8 * tokens
     if model_type == "bert":
-        outside_layers += 3 * e * sbh  # LM head dense, GeLU and LayerNorm inputs
+        # MLM head: the dense, GeLU, LayerNorm and logit-matmul inputs, the LayerNorm statistics
+        outside_layers += 4 * e * head_tokens * m.hidden_size + 8 * head_tokens
+    if binary_head:
+        outside_layers += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
     layer = layer_activation_bytes(m, cfg.training.micro_batch_size, tp, e)
     unfused = layer_activation_bytes(m, cfg.training.micro_batch_size, tp, e, False)
     vocab_local = padded_vocab_size // tp
@@ -198,7 +221,7 @@ def estimate_memory(
         activations_no_recompute=m.num_layers * layer + outside_layers,
         activations_recompute=m.num_layers * e * sbh + layer + outside_layers,
         unfused_attention_extra=unfused - layer,
-        logits=(e + 4) * tokens * vocab_local,
+        logits=(e + 4) * head_tokens * vocab_local,
         recompute=m.recompute == "full",
     )
 

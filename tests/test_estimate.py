@@ -252,8 +252,9 @@ def test_dry_run_rejects_config_and_file_errors(tmp_path):
         f.write(b"\0\0")  # one token more than the index describes
     with pytest.raises(ConfigError, match="corpus.bin: 8 bytes but"):
         dry_run(cfg, argparse.Namespace(world_size=2, gpu_memory_gb=None), out=io.StringIO())
-    missing = load_config(["configs/gpt_tiny.yaml"])  # data/tokenizer.model is not here
-    with pytest.raises(ConfigError, match="tokenizer.model: data/tokenizer.model not found"):
+    absent = tmp_path / "absent.model"
+    missing = load_config(["configs/gpt_tiny.yaml"], [f"tokenizer.model={absent}"])
+    with pytest.raises(ConfigError, match=f"tokenizer.model: {absent} not found"):
         dry_run(missing, argparse.Namespace(world_size=2, gpu_memory_gb=None), out=io.StringIO())
 
 

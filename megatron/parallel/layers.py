@@ -3,7 +3,9 @@
 Initialisation draws the full matrix from the (TP-wide identical) default generator and keeps this
 rank's slice, so a TP=N model holds exactly the slices of the TP=1 model. Every split parameter
 carries ``tp_split_dim``; replicated ones carry nothing. Clipping, weight-decay grouping and
-checkpoint resharding all read that one attribute.
+checkpoint resharding all read that one attribute. A parameter whose dim 0 is the padded
+vocabulary (the word table, BERT's LM-head bias) also carries ``vocab_padded = True``, so
+resharding knows which rows are padding.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded_param(
             (padded_vocab_size, dim), 0, state, init, device or state.device, valid_rows=vocab_size
         )
+        self.weight.vocab_padded = True
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp_size == 1:

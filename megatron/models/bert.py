@@ -1,0 +1,162 @@
+"""BERT: word + position + token-type embeddings, a bidirectional transformer, and two heads.
+
+::
+
+    text, types --> Embedding --> TransformerStack (padding mask, no causal mask) --> h [b, s, h]
+    h (masked positions) --> dense, GeLU, LayerNorm --> x word_embeddings^T + bias --> MLM loss
+    h[:, 0] ([CLS])      --> pooler: dense, tanh --> binary head (h -> 2)  --> SOP / NSP logits
+
+Pre-LN by default; ``model.layernorm_position=post`` gives the original BERT arrangement, which
+also normalises the embedding sum (pre-LN normalises it in the first layer instead). The MLM
+head's last matmul reuses the vocab-split word table, so its logits and its output bias are split
+by vocabulary like the embedding; the pooler, the head's dense and LayerNorm and the binary head
+are small and replicated, and see replicated activations, so every TP rank computes them alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megatron.models.embedding import Embedding
+from megatron.models.transformer import TransformerStack
+from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.parallel.layers import InitMethod, normal_init
+from megatron.parallel.mappings import copy_to_tp
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+
+BINARY_HEADS = ("sop", "nsp", "none")
+
+
+def _linear(
+    in_features: int, out_features: int, init: InitMethod, device: torch.device
+) -> nn.Linear:
+    """A replicated dense layer: ``init`` weight (from the TP-wide generator), zero bias."""
+    layer = nn.Linear(in_features, out_features, device=device)
+    init(layer.weight.data)
+    layer.bias.data.zero_()
+    return layer
+
+
+class BertLMHead(nn.Module):
+    """Masked-LM head: dense (h -> h), GeLU, LayerNorm, then logits against the word table.
+
+    With the word table E = [E_1; ...; E_p] split by vocabulary, rank i computes
+    ``LN(GeLU(x W + c)) E_i^T + b_i``: its slice of the logits, ready for the vocab-parallel loss.
+    The output bias b = [b_1, ..., b_p] is split the same way (``tp_split_dim`` 0) and, like E,
+    has a row per padded vocabulary entry (``vocab_padded``); it starts at zero.
+    """
+
+    def __init__(self, cfg, padded_vocab_size: int, state: ParallelState):
+        super().__init__()
+        h = cfg.hidden_size
+        self.group = state.tp_group
+        self.dense = _linear(h, h, normal_init(cfg.init_method_std), state.device)
+        self.layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=state.device)
+        vocab_per_partition = padded_vocab_size // state.tp_size
+        self.bias = nn.Parameter(torch.zeros(vocab_per_partition, device=state.device))
+        self.bias.tp_split_dim = 0
+        self.bias.vocab_padded = True
+
+    def forward(self, x: Tensor, word_weight: Tensor) -> Tensor:
+        x = self.layernorm(F.gelu(self.dense(x)))  # [..., h], replicated
+        # f: the logits are column-parallel in the word table, so the input's gradient is summed
+        return F.linear(copy_to_tp(x, self.group), word_weight, self.bias)  # [..., V / tp]
+
+
+class BertModel(nn.Module):
+    """BERT with a masked-LM head and an optional binary (sentence-order or next-sentence) head.
+
+    ``binary_head`` is "sop", "nsp" (the same h -> 2 classifier on the pooled [CLS]; the data
+    decides what its label means) or "none" (no pooler, no classifier). ``forward`` returns
+    ``(lm, binary)``: see its docstring.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        vocab_size: int,
+        padded_vocab_size: int,
+        state: ParallelState,
+        tracker: RNGTracker,
+        num_tokentypes: int = 2,
+        binary_head: str = "sop",
+    ):
+        super().__init__()
+        if binary_head not in BINARY_HEADS:
+            raise ValueError(f"binary_head={binary_head!r}; use one of {', '.join(BINARY_HEADS)}")
+        h, device = cfg.hidden_size, state.device
+        self.vocab_size, self.tp_group = vocab_size, state.tp_group
+        self.binary_task = binary_head
+        self.dropout = cfg.hidden_dropout
+        self.embedding_ln = None
+        embedding_cfg = cfg
+        if cfg.layernorm_position == "post":
+            # Original BERT drops out the *normalised* embedding sum: the dropout moves here.
+            embedding_cfg = dataclasses.replace(cfg, hidden_dropout=0.0)
+            self.embedding_ln = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=device)
+        self.embedding = Embedding(
+            embedding_cfg, vocab_size, padded_vocab_size, state, num_tokentypes
+        )
+        self.transformer = TransformerStack(cfg, state, tracker)
+        self.lm_head = BertLMHead(cfg, padded_vocab_size, state)
+        self.pooler = self.binary_head = None
+        if binary_head != "none":
+            init = normal_init(cfg.init_method_std)
+            self.pooler = _linear(h, h, init, device)
+            self.binary_head = _linear(h, 2, init, device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        types: Tensor | None,
+        padding_mask: Tensor,
+        labels: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``tokens``, ``types``, ``padding_mask`` (1 on real tokens), ``labels``: [b, s].
+
+        Returns ``(lm, binary)``. Without ``labels``, ``lm`` is this rank's vocab-parallel logits
+        [b, s, padded_vocab / tp] at every position. With ``labels``, it is the per-token fp32
+        loss [b, s]: only positions whose label is >= 0 (the masked ones; -1 elsewhere) go
+        through the LM head, and the others hold 0. ``binary`` is [b, 2] logits on the pooled
+        [CLS], or None without a binary head.
+        """
+        positions = None
+        if labels is not None:
+            # ~15% of positions are masked; the head and the loss (most of BERT's step at small
+            # widths) run on those only. nonzero() waits for the device: ask before the forward
+            # is queued, while there is almost nothing to wait for.
+            positions = labels.reshape(-1).ge(0).nonzero().squeeze(1)  # [n_masked]
+        x = self.embedding(tokens, None, types)  # [b, s, h]
+        # Every query attends to every real (non-padding) key: bidirectional, no causal mask.
+        # Additive (0 / -inf) in the activations' dtype, made once: given a bool mask, every
+        # layer's attention would convert it again and keep its own copy for backward.
+        hidden = padding_mask[:, None, None, :] == 0  # [b, 1, 1, s]
+        attend = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device)
+        attend = attend.masked_fill_(hidden, float("-inf"))
+        if self.embedding_ln is not None:
+            x = F.dropout(self.embedding_ln(x), self.dropout, self.training)
+        x = self.transformer(x, attend)  # [b, s, h], replicated across TP ranks
+
+        binary = None
+        if self.binary_head is not None:
+            pooled = torch.tanh(self.pooler(x[:, 0]))  # [b, h]: the [CLS] position
+            binary = self.binary_head(pooled)  # [b, 2]
+        word = self.embedding.word.weight
+        if labels is None:
+            return self.lm_head(x, word), binary
+
+        b, s, h = x.shape
+        selected = x.reshape(b * s, h).index_select(0, positions)  # [n_masked, h]
+        logits = self.lm_head(selected, word)  # [n_masked, V / tp]
+        targets = labels.reshape(-1).index_select(0, positions)  # [n_masked]
+        # The logits are this call's own temporary, so the loss may overwrite them.
+        losses = vocab_parallel_cross_entropy(
+            logits, targets, self.vocab_size, self.tp_group, inplace=True
+        )
+        lm = losses.new_zeros(b * s).index_copy(0, positions, losses)
+        return lm.view(b, s), binary
