@@ -143,9 +143,15 @@ def _check_files(cfg: Config) -> None:
         )
     prefixes = [p for _, p in weighted_paths(cfg.data.paths)]
     if cfg.data.format == "hdf5":
+        # The reader's own resolution (directory, glob or file), so the check accepts exactly
+        # what training will read; h5py is imported only for hdf5 data.
+        from megatron.data.hdf5_dataset import shard_files
+
         for path in prefixes:
-            if not os.path.exists(path):
-                raise ConfigError(f"data.paths: {path} not found; list hdf5 shard files or folders")
+            try:
+                shard_files(path)
+            except ConfigError as err:
+                raise ConfigError(f"data.paths: {err}") from None
         return
     # Imported here: the checks above (shipped configs, dry runs without data) need neither.
     from megatron.data.indexed_dataset import IndexedDataset

@@ -5,7 +5,7 @@
 #   scripts/run_single_node.sh configs/gpt_345m.yaml [section.key=value ...]
 #   NPROC=4 scripts/run_single_node.sh configs/gpt_345m.yaml parallel.tensor_parallel_size=2
 #   NPROC=2 scripts/run_single_node.sh configs/gpt_tiny.yaml        # CPU: two gloo processes
-#   ENTRYPOINT=pretrain_bert.py scripts/run_single_node.sh configs/bert_large.yaml
+#   ENTRYPOINT=pretrain_bert.py scripts/run_single_node.sh configs/bert_336m.yaml
 #
 #   NPROC       processes (default: gpu, one per visible GPU; set a number on a CPU machine)
 #   ENTRYPOINT  pretrain_gpt.py (default) or pretrain_bert.py

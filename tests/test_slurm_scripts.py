@@ -3,6 +3,8 @@
 The stub srun records its arguments and environment; with STUB_SRUN=run it also runs the
 command as one local task, forwarding SIGTERM the way srun does. The stub scontrol expands any
 node list to $STUB_HOSTS and records `requeue`. The scripts' real Python reads the config.
+Both sbatch files exec the shared scripts/slurm/launch.sh, so each test of the GPT file covers
+the BERT file's launch too; the BERT tests check only what differs (the entrypoint).
 
 Under c10d rendezvous torchrun numbers the nodes itself (it ignores --node-rank, which only the
 static backend reads), so the torchrun command is the same on every node and carries no node
@@ -29,9 +31,13 @@ from tests.distributed import free_port
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"
 BERT = ROOT / "scripts" / "slurm" / "pretrain_bert.sbatch"
+LAUNCH = ROOT / "scripts" / "slurm" / "launch.sh"
 SINGLE = ROOT / "scripts" / "run_single_node.sh"
 CONFIG = "configs/gpt_tiny.yaml"
 PORT = 29500 + 4242 % 1000  # the scripts' default for job 4242
+# The config's own save directory lies in the repository (runs/), where a demo run may have left
+# a checkpoint that the scripts would resume from; tests that are not about resume save nowhere.
+NO_SAVE = "checkpoint.save=null"
 
 STUBS = {
     "srun": r"""#!/bin/bash
@@ -128,7 +134,7 @@ def _sbatch_options(script: Path) -> dict[str, str]:
     return dict(opt.partition("=")[::2] for opt in lines)
 
 
-@pytest.mark.parametrize("script", [GPT, BERT, SINGLE], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [GPT, BERT, LAUNCH, SINGLE], ids=lambda p: p.name)
 def test_bash_syntax(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
@@ -186,11 +192,11 @@ def test_resume_from_the_save_directory(fake, tmp_path):
 
 def test_srun_one_task_per_gpu(fake, tmp_path):
     env, log = fake
-    result = _run(GPT, {**env, "LAUNCHER": "srun"}, tmp_path, CONFIG)
+    result = _run(GPT, {**env, "LAUNCHER": "srun"}, tmp_path, CONFIG, NO_SAVE)
     assert result.returncode == 0, result.stderr
     assert _args(log / "srun.args") == [
         "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--kill-on-bad-exit=1",
-        "--cpus-per-task=8", sys.executable, "pretrain_gpt.py", "--config", CONFIG,
+        "--cpus-per-task=8", sys.executable, "pretrain_gpt.py", "--config", CONFIG, NO_SAVE,
     ]  # fmt: skip
     step_env = dict(kv.split("=", 1) for kv in (log / "srun.env").read_text().split("\0") if kv)
     assert "RANK" not in step_env and step_env["MASTER_ADDR"] == "node07"
@@ -205,10 +211,24 @@ def test_srun_one_task_per_gpu(fake, tmp_path):
 
 def test_bert_uses_its_entrypoint(fake, tmp_path):
     env, log = fake
-    result = _run(BERT, env, tmp_path, CONFIG, "training.train_iters=5")
+    result = _run(BERT, env, tmp_path, CONFIG, NO_SAVE)
     assert result.returncode == 0, result.stderr
     launcher = _torchrun_args(_args(log / "srun.args"))
-    assert launcher[-4:] == ["pretrain_bert.py", "--config", CONFIG, "training.train_iters=5"]
+    assert launcher[-4:] == ["pretrain_bert.py", "--config", CONFIG, NO_SAVE]
+
+
+def test_spool_copy_finds_the_shared_launch(fake, tmp_path):
+    """slurmd runs a copy of the batch script from its spool directory, far from launch.sh."""
+    env, log = fake
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    for script, entrypoint in ((GPT, "pretrain_gpt.py"), (BERT, "pretrain_bert.py")):
+        copy = spool / "slurm_script"
+        copy.write_text(script.read_text())
+        result = _run(copy, env, tmp_path, CONFIG, NO_SAVE)
+        assert result.returncode == 0, result.stderr
+        launcher = _torchrun_args(_args(log / "srun.args"))
+        assert launcher[-4:] == [entrypoint, "--config", CONFIG, NO_SAVE]
 
 
 def test_errors_stop_before_srun(fake, tmp_path):
