@@ -2,6 +2,8 @@
 
 Only global rank 0 writes; other ranks log warnings and errors alone. The TensorBoard writer and
 the metrics file sit behind objects that do nothing when disabled, so call sites never branch.
+A training line averages the iterations of a ``LogWindow``; the window travels in checkpoints, so
+a run resumed in the middle of one writes the same lines as a run that never stopped.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ import math
 import os
 import resource
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from megatron.config import Config
+from megatron.flops import flops_per_iteration
 
 log = logging.getLogger("megatron")
 
@@ -50,8 +56,63 @@ class _NullWriter:
         pass
 
 
+@dataclass
+class LogWindow:
+    """The iterations since the last training line: metric sums (each iteration's value already
+    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps."""
+
+    steps: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: int = 0
+    nans: int = 0
+
+    def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
+        """Count one iteration."""
+        self.steps += 1
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.seconds += seconds
+        self.skipped += skipped
+        self.nans += nan
+
+    def means(self) -> dict[str, float]:
+        """Each metric's mean over the window."""
+        return {name: total / self.steps for name, total in self.sums.items()}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one iteration does, for the throughput fields of a training line."""
+
+    train_iters: int
+    tokens_per_iter: int  # over all ranks
+    flops_per_iter: float  # over all ranks
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def of(
+        cls, cfg: Config, padded_vocab_size: int, world_size: int, device: torch.device
+    ) -> Workload:
+        """The work of one iteration of ``cfg``'s model on ``world_size`` devices."""
+        m, t = cfg.model, cfg.training
+        flops = flops_per_iteration(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            seq_length=m.seq_length,
+            padded_vocab_size=padded_vocab_size,
+            global_batch_size=t.global_batch_size,
+            recompute=m.recompute == "full",
+        )
+        tokens = t.global_batch_size * m.seq_length
+        return cls(t.train_iters, tokens, flops, world_size, device)
+
+
 class MetricsLogger:
-    """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin) and JSON lines."""
+    """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin), JSON lines, and
+    the console lines of training and validation."""
 
     def __init__(
         self,
@@ -59,7 +120,9 @@ class MetricsLogger:
         metrics_file: str | None,
         enabled: bool,
         config_text: str,
+        work: Workload,
     ):
+        self.work = work
         self.tb: Any = _NullWriter()
         self.metrics = None
         if not enabled:
@@ -83,6 +146,67 @@ class MetricsLogger:
         """One JSON line; floats are written with repr precision, so runs compare exactly."""
         if self.metrics is not None:
             self.metrics.write(json.dumps(entry) + "\n")
+
+    def training(
+        self, iteration: int, samples: int, window: LogWindow, step: dict[str, float]
+    ) -> None:
+        """The line for ``window``, which ends at ``iteration`` after ``samples`` samples.
+
+        ``step``: the last step's ``learning rate``, ``loss scale`` and ``grad norm``.
+        """
+        means, work = window.means(), self.work
+        seconds = window.seconds / window.steps
+        tokens_per_s = work.tokens_per_iter / seconds
+        tflops = work.flops_per_iter / seconds / work.world_size / 1e12
+        lr, scale, norm = step["learning rate"], step["loss scale"], step["grad norm"]
+        self.record(
+            {
+                "iteration": iteration,
+                "consumed_samples": samples,
+                **{k.replace(" ", "_"): v for k, v in means.items()},
+                "lr": lr,
+                "grad_norm": norm,
+                "loss_scale": scale,
+                "skipped": window.skipped,
+                "nan": window.nans,
+                "ms_per_iter": 1000 * seconds,
+                "tokens_per_s": tokens_per_s,
+                "tflops": tflops,
+            }
+        )
+        scalars = {"learning-rate": lr, **means, "loss-scale": scale, "grad-norm": norm}
+        self.scalars({**scalars, "iteration-time": seconds}, iteration, samples)
+        fields: dict[str, Any] = {
+            "iteration": f"{iteration:8d}/{work.train_iters:8d}",
+            "consumed samples": samples,
+            "elapsed time per iteration (ms)": 1000 * seconds,
+            "tokens/s": tokens_per_s,
+            "TFLOP/s per device": tflops,
+            "learning rate": lr,
+            **means,
+            "loss scale": scale,
+            "grad norm": norm,
+            "skipped iterations": window.skipped,
+            "nan iterations": window.nans,
+            "peak memory (MB)": peak_memory_mb(work.device),
+        }
+        log.info(format_line(fields))
+
+    def validation(self, iteration: int, samples: int, means: dict[str, float]) -> None:
+        """The validation line: each metric and its perplexity."""
+        values = {}
+        for name, value in means.items():
+            values[f"{name} validation"] = value
+            values[f"{name} validation ppl"] = perplexity(value)
+        self.scalars(values, iteration, samples)
+        self.record(
+            {
+                "iteration": iteration,
+                "consumed_samples": samples,
+                **{k.replace(" ", "_"): v for k, v in values.items()},
+            }
+        )
+        log.info("validation at iteration %d | %s", iteration, format_line(values))
 
     def flush(self) -> None:
         self.tb.flush()

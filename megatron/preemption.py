@@ -1,19 +1,36 @@
-"""The exit signal: a handler that only records that the signal came.
+"""When to save and stop: the exit signal, ``training.exit_interval`` and
+``training.exit_duration_in_mins``, decided by every rank at the same iteration.
 
-The loop reads ``received`` once per iteration and all ranks agree through one all-reduce, so a
-signal delivered to any one rank makes every rank save at the same iteration and exit 0.
+The signal handler only records that the signal came, so a signal is never lost, whenever it
+arrives: during a step, an evaluation, a save, or the setup before the first step. Once per
+iteration ``ExitPolicy.agree`` sums every rank's flags in one all-reduce, so a signal delivered to
+any one rank makes every rank save at the same iteration and exit 0. The step's metrics ride along
+in the same all-reduce.
+
+torchrun gives its workers 30 s between SIGTERM and SIGKILL (SLURM: ``KillWait``): the
+iteration in flight, plus the save, must fit in that.
 """
 
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Sequence
 from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.config import TrainingConfig
+from megatron.parallel.state import ParallelState
 
 
 class ExitSignal:
     """Records delivery of the signal ``name`` until ``restore()`` reinstates the old handler."""
 
     def __init__(self, name: str):
+        self.name = name
         self.signum = getattr(signal, name)
         self.received = False
         self._previous = signal.signal(self.signum, self._handle)
@@ -22,4 +39,54 @@ class ExitSignal:
         self.received = True
 
     def restore(self) -> None:
+        """Reinstate the handler that was there before."""
         signal.signal(self.signum, self._previous)
+
+
+class ExitPolicy:
+    """The reasons to save and stop; the time-dependent ones must be agreed across ranks."""
+
+    def __init__(self, cfg: TrainingConfig, exit_signal: ExitSignal, start_time: float):
+        self.cfg, self.signal, self.start_time = cfg, exit_signal, start_time
+
+    def local_flags(self) -> list[float]:
+        """This rank's view, as numbers to be summed over ranks: [signal seen, time is up]."""
+        minutes = self.cfg.exit_duration_in_mins
+        out_of_time = bool(minutes) and time.time() - self.start_time > 60 * minutes
+        return [float(self.signal.received), float(out_of_time)]
+
+    def reason(self, iteration: int, flags: Sequence[float]) -> str:
+        """Why every rank stops after ``iteration`` ('' to go on); ``flags``: summed over ranks.
+
+        Every rank gets the same answer: the interval is a function of the iteration, the rest
+        comes from the all-reduced flags.
+        """
+        signal_seen, out_of_time = flags
+        if signal_seen:
+            return f"signal {self.signal.name}"
+        if out_of_time:
+            return f"training.exit_duration_in_mins={self.cfg.exit_duration_in_mins}"
+        if self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0:
+            return f"training.exit_interval={self.cfg.exit_interval}"
+        return ""
+
+    def agree(
+        self, iteration: int, metrics: dict[str, Tensor], state: ParallelState
+    ) -> tuple[dict[str, float], str]:
+        """The step's ``metrics`` averaged over DP, and why every rank stops ('' to go on).
+
+        The iteration's one all-reduce (a sum over the world) carries the exit flags, which may
+        differ between ranks, and the metrics, to which TP rank 0 of each DP replica alone
+        contributes (TP ranks hold the same values). Every rank gets the same means, so a log
+        window filled with them, which checkpoints carry, is the same on every rank.
+        """
+        local = [v.reshape(1) for v in metrics.values()]
+        if state.tp_rank != 0:
+            local = [torch.zeros_like(v) for v in local]
+        flags = torch.tensor(self.local_flags(), device=state.device)
+        summed = torch.cat([*local, flags])
+        if state.world_size > 1:
+            dist.all_reduce(summed)
+        *sums, signal_seen, out_of_time = summed.tolist()
+        means = {name: total / state.dp_size for name, total in zip(metrics, sums)}
+        return means, self.reason(iteration, [signal_seen, out_of_time])

@@ -7,6 +7,9 @@ stays inside a node where NVLink is); columns are DP groups (strided). For 8 ran
     DP groups (columns): [0 2 4 6] [1 3 5 7]
 
 ``rank // tp`` is the DP index and ``rank % tp`` the TP rank.
+
+``Heartbeat`` names the rank at fault when a collective fails: a dead peer makes gloo fail with
+an address, and a frozen one makes the collective time out after ``parallel.timeout_minutes``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -95,11 +100,11 @@ def first_slurm_host(nodelist: str) -> str:
             return out[0]
     except (OSError, subprocess.CalledProcessError):
         pass
-    first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    prefix, ranges = first.group(1), first.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    # The first expression (commas inside brackets do not end it), each bracket replaced by its
+    # first id: keeps suffixes and later brackets (node[01-02]-ib -> node01-ib,
+    # rack[1-2]-gpu[08,10] -> rack1-gpu08).
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group(0)
+    return re.sub(r"\[([^\]]*)\]", lambda ids: re.split(r"[-,]", ids.group(1))[0], first)
 
 
 def initialize(tp_size: int, timeout_minutes: float = 10.0) -> ParallelState:
@@ -169,3 +174,92 @@ def shutdown() -> None:
     """Tear the process group down so the process exits without a warning."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Heartbeat:
+    """Each rank's pulse in the rendezvous store, so that a rank whose collective failed can name
+    the peer at fault.
+
+    A daemon thread adds 1 to ``beat/<rank>`` every ``interval_s``; it goes on while the main
+    thread waits inside a collective, so a rank that is merely blocked stays alive. A rank that
+    leaves first writes why to ``left/<rank>``. The store is the torchrun agent's (it outlives
+    every worker) or, without torchrun, the one rank 0 hosts. Each thread has its own client.
+    """
+
+    def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
+        env = launcher_env()
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        self.host, self.port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, args=(self._client(),), name="heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _client(self) -> dist.Store:
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=10))
+        return dist.PrefixStore("megatron/heartbeat", store)
+
+    def _beat(self, store: dist.Store) -> None:
+        while not self._stop.is_set():
+            try:
+                store.add(f"beat/{self.rank}", 1)
+            except RuntimeError:
+                return  # the store's host is gone: the peers find that out for themselves
+            self._stop.wait(self.interval_s)
+
+    def lost_peers(self, beats: int = 5) -> tuple[list[str], list[str]]:
+        """(stopped, left): the peers that stopped beating (dead or frozen), and those that left,
+        each as "rank 3 stopped responding (...)" or "rank 2 left (why)".
+
+        Watches the counters for ``beats`` intervals, long enough for a live rank on a busy host
+        to beat at least once. An unreachable store means its host died: rank 0 without torchrun.
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        stopped, left = [], []
+        try:
+            store = self._client()
+            before = {r: store.add(f"beat/{r}", 0) for r in others}
+            time.sleep(beats * self.interval_s)
+            for r in others:
+                if store.check([f"left/{r}"]):
+                    left.append(f"rank {r} left ({store.get(f'left/{r}').decode()})")
+                elif store.add(f"beat/{r}", 0) == before[r]:
+                    silent = beats * self.interval_s
+                    stopped.append(f"rank {r} stopped responding (no heartbeat for {silent:.0f} s)")
+        except RuntimeError as err:
+            host = "the torchrun agent" if _agent_store() else "rank 0"
+            stopped.append(
+                f"{host} stopped responding (the rendezvous store it hosts at "
+                f"{self.host}:{self.port} does not answer: {str(err).splitlines()[0]})"
+            )
+        return stopped, left
+
+    def blame(self, err: Exception) -> str | None:
+        """The error to report if ``err`` (from a collective) comes from a dead or frozen peer;
+        None if every peer still beats or left on its own (then ``err`` speaks for itself).
+
+        For the failure path only: it takes a few seconds (``lost_peers``).
+        """
+        stopped, left = self.lost_peers()
+        if not stopped:
+            return None
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        return (
+            f"lost a peer, exiting: {'; '.join(stopped + left)}. "
+            f"The failed operation: {type(err).__name__}: {first_line}"
+        )
+
+    def leave(self, reason: str) -> None:
+        """Tell the peers why this rank goes (so none reports it as dead), then stop beating."""
+        try:
+            self._client().set(f"left/{self.rank}", reason[:300])
+        except RuntimeError:
+            pass  # nobody is left to tell
+        self._stop.set()
+        self._thread.join()
+
+
+def _agent_store() -> bool:
+    """True under torchrun, whose agent hosts the store the workers rendezvous through."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
