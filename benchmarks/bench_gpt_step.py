@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
-from megatron.config import ModelConfig  # noqa: E402
+from megatron.config import ModelConfig, padded_vocab_size  # noqa: E402
 from megatron.models.gpt import GPTModel  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402
@@ -48,7 +48,7 @@ def build_ours() -> GPTModel:
     )
     tracker = RNGTracker(state.device)
     tracker.seed(SEED, state.tp_rank)
-    padded = -(-VOCAB // cfg.make_vocab_size_divisible_by) * cfg.make_vocab_size_divisible_by
+    padded = padded_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, 1)
     return GPTModel(cfg, VOCAB, padded, state, tracker)
 
 
