@@ -236,11 +236,8 @@ def _data(
     """The train and validation streams, each from where ``progress`` says it stopped."""
     t = cfg.training
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
-    num_samples = (
-        t.train_iters * t.global_batch_size,
-        evals * t.global_batch_size,
-        t.eval_iters * t.global_batch_size,
-    )
+    # The test split is held out: nothing here trains or evaluates on it, so none is built.
+    num_samples = (t.train_iters * t.global_batch_size, evals * t.global_batch_size, 0)
     train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, num_samples)
 
     def stream(ds: Any, consumed: int) -> Iterator[Batch]:

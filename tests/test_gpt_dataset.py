@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from megatron.data import gpt_dataset
-from megatron.data.gpt_dataset import (
-    build_gpt_datasets,
-    build_gpt_indices,
-    ltor_masks,
-    parse_data_paths,
-    split_ranges,
-)
+from megatron.data.gpt_dataset import build_gpt_datasets, build_gpt_indices, ltor_masks
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from megatron.data.splits import parse_data_paths, split_ranges
 from megatron.errors import ConfigError
 from tests.distributed import run_distributed
 from tests.test_indexed_dataset import run_megatron_core

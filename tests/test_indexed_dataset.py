@@ -96,6 +96,37 @@ def test_sequences_then_end_document(tmp_path):
     assert ds.sequence_pointers.tolist() == [0, 4, 6]
 
 
+def test_add_documents_equals_one_by_one(tmp_path):
+    """The bulk write gives the same bytes as add_document per document, in any batching."""
+    docs = _documents(np.random.default_rng(7), 1000, 40)
+    with IndexedDatasetWriter(str(tmp_path / "bulk"), np.uint16) as w:
+        for batch in (docs[:1], docs[1:25], [], docs[25:]):
+            seqs = [seq for doc in batch for seq in doc]
+            w.add_documents(
+                np.concatenate([np.zeros(0, dtype=np.int64), *seqs]),
+                [len(seq) for seq in seqs],
+                [len(doc) for doc in batch],
+            )
+        w.add_document([[5, 6]])  # one by one after bulk still lines up
+    _write(str(tmp_path / "one"), [*docs, [np.array([5, 6])]], np.uint16)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
+
+
+def test_add_documents_rejects_inconsistent_sizes(tmp_path):
+    with IndexedDatasetWriter(str(tmp_path / "ds"), np.uint16) as w:
+        with pytest.raises(ValueError, match="do not match"):
+            w.add_documents(np.arange(5), [2, 2], [2])
+        with pytest.raises(ValueError, match="do not match"):
+            w.add_documents(np.arange(4), [2, 2], [1])
+        with pytest.raises(ConfigError, match="does not fit uint16"):
+            w.add_documents(np.array([70000]), [1], [1])
+        w.add_sequence([1])
+        with pytest.raises(ValueError, match="open document"):
+            w.add_documents(np.arange(2), [2], [1])
+        w.end_document()
+
+
 def test_merge_equals_writing_everything(tmp_path):
     rng = np.random.default_rng(0)
     parts = [_documents(rng, 500, n) for n in (5, 0, 7)]

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.sentences import split_sentences
 from megatron.data.tokenizers import build_tokenizer
 from tests.fixtures.make_tokenizer_fixtures import synthetic_documents
 from tools import preprocess_data
 from tools.make_sample_corpus import write_corpus
 from tools.merge_datasets import main as merge_main
-from tools.preprocess_data import main, split_sentences
+from tools.preprocess_data import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "tokenizers")
@@ -59,7 +60,7 @@ def _files(prefix) -> dict[str, bytes]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Many chunks from little data, so ordering across chunks and workers is exercised."""
-    monkeypatch.setattr(preprocess_data, "CHUNK_LINES", 16)
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 4096)  # about 11 lines
 
 
 def test_documents_read_back(tmp_path, small_chunks, capsys):
@@ -220,6 +221,7 @@ BAD_LINES = {
     "number": (b'{"text": 7}\n', "not a string in key 'text' (a int)"),
     "array": (b'["text"]\n', "not a JSON object (a list)"),
     "surrogate": (b'{"text": "a\\ud800b"}\n', "unpaired surrogate escape"),
+    "no_sentences": (b'{"text": []}\n', "empty document in key 'text' (no tokens)"),
 }
 
 
@@ -267,6 +269,25 @@ def test_skip_bad_lines(tmp_path, small_chunks, capsys):
     kept = [d for i, d in enumerate(DOCS[:50]) if i not in (10, 20, 30)]
     assert ds.num_documents == len(kept)
     assert ds[25].tolist() == _gpt2().encode(kept[25])
+
+
+def test_a_key_without_tokens_drops_its_line_from_every_key(tmp_path, small_chunks, capsys):
+    records = [{"text": d, "title": d[:30]} for d in DOCS[:40]]
+    records[12]["title"] = []  # found only after the chunk is encoded
+    records[30]["text"] = 5  # found while parsing, in the same chunk
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    flags = ["--json-keys", "text", "title", "--skip-bad-lines"]
+    assert _run(str(path), tmp_path / "out", *flags) == 0
+    assert f"first: {path}:13: empty document in key 'title' (no tokens)" in capsys.readouterr().out
+    kept = [r for i, r in enumerate(records) if i not in (12, 30)]
+    tok = _gpt2()
+    for key in ("text", "title"):
+        ds = IndexedDataset(str(tmp_path / f"out_{key}_document"))
+        assert ds.num_documents == len(kept)
+        assert [ds[i].tolist() for i in (11, 12, 29)] == [
+            tok.encode(kept[i][key]) for i in (11, 12, 29)
+        ]
 
 
 def test_missing_tokenizer_file(tmp_path, capsys):
@@ -355,6 +376,24 @@ def _kill_midway(tmp_path, sig: int) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_midway_leaves_no_final_output(tmp_path, sig):
     _kill_midway(tmp_path, sig)
+
+
+def test_workers_end_on_sigterm_without_python():
+    """Pool.terminate() must not rely on a Python handler in the workers.
+
+    A SIGTERM that reaches a just-forked worker before CPython's after-fork setup is dropped when
+    a Python handler is installed, and terminate() then waits for that worker forever.
+    """
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as main() installs
+    try:
+        args = preprocess_data.build_parser().parse_args(
+            ["--input", "x", "--output-prefix", "y", *GPT2_FLAGS, "--workers", "2"]
+        )
+        with preprocess_data._start_pool(args) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the parent's is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_merge_equals_preprocessing_the_concatenation(tmp_path, capsys):

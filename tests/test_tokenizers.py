@@ -10,10 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
+from megatron.data.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
 from megatron.data.tokenizers import (
-    GPT2_EOD,
     TOKENIZER_TYPES,
-    GPT2BPETokenizer,
     HFTokenizer,
     SentencePieceTokenizer,
     WordPieceTokenizer,
@@ -92,6 +91,22 @@ def test_byte_exact_round_trip(name):
     assert tok.encode_batch(TEXTS[:20]) == [tok.encode(t) for t in TEXTS[:20]]
 
 
+@pytest.mark.parametrize("name", [*sorted(BUILDERS), "wordpiece"])
+def test_encode_packed_equals_encode(name):
+    """One batch call: every text's ids back to back and each length, as encode gives them."""
+    if name == "wordpiece":
+        tok = build_tokenizer("wordpiece", vocab_file=BERT_VOCAB, lower_case=True)
+    else:
+        tok = BUILDERS[name]()
+    texts = [*TEXTS[:40], "", " "]
+    ids, lengths = tok.encode_packed(texts)
+    assert lengths.dtype == np.int64 and ids.ndim == 1
+    assert lengths.tolist() == [len(tok.encode(t)) for t in texts]
+    assert ids.tolist() == [i for t in texts for i in tok.encode(t)]
+    ids, lengths = tok.encode_packed([])
+    assert ids.size == lengths.size == 0
+
+
 @pytest.mark.parametrize("lower_case", [False, True])
 def test_wordpiece_round_trip(lower_case):
     """WordPiece loses whitespace and (lower-case) case and accents; the ids survive decoding."""
@@ -141,6 +156,8 @@ def test_gpt2_ids_equal_hf_with_shuffled_ids(tmp_path):
         assert tok.encode(text) == expected
         assert tok.encode_np(text).tolist() == expected
         assert tok.decode(expected) == text
+    ids, lengths = tok.encode_packed(TEXTS)
+    assert ids.tolist() == [i for t in TEXTS for i in tok.encode(t)]
 
 
 def test_gpt2_batch_on_threads_matches():

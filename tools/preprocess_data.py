@@ -6,9 +6,10 @@ Takes Megatron's flags, so existing scripts run unchanged::
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 4
 
-Streams: lines are read in chunks and encoded by a worker pool with a bounded number of chunks in
-flight, results are written in input order, so memory stays flat and ``--workers 1`` and
-``--workers N`` write byte-identical files. Outputs live under temporary names until complete.
+Streams: lines are read in chunks and encoded by a worker pool (``megatron.data.jsonl_encoder``)
+with a bounded number of chunks in flight; results are written in input order, one bulk write per
+chunk, so memory stays flat and ``--workers 1`` and ``--workers N`` write byte-identical files.
+Outputs live under temporary names until complete.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import collections
 import contextlib
 import glob
 import gzip
-import json
 import multiprocessing
 import multiprocessing.pool
 import os
-import re
 import signal
 import sys
 import time
@@ -30,65 +29,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
+from megatron.data.indexed_dataset import IndexedDatasetWriter  # noqa: E402
+from megatron.data.jsonl_encoder import ChunkResult, JsonlEncoder  # noqa: E402
 from megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 
-CHUNK_LINES = 1024
-CHUNK_BYTES = 4 << 20
-# A sentence ends at . ! ? or an ellipsis (plus closing quotes/brackets) followed by whitespace and
-# a word that does not start lower-case; at CJK full stops; or at a blank line.
-_BOUNDARY = re.compile(
-    r"(?P<stop>[.!?…]+)[\"'”’»)\]]*\s+(?=[\"'“‘«(\[]?(?P<next>\w))"
-    r"|[。！？]+[」』”’）]*\s*"
-    r"|\n[ \t]*\n\s*"
-)
-# Words whose trailing period is not a sentence end (compared lower-case, without the period).
-_ABBREVIATIONS = frozenset(
-    """
-    mr mrs ms dr prof sr jr st mt vs fig figs eq eqs no nos vol vols pp ch sec approx dept est inc
-    ltd co corp gen gov sen rep rev cf al jan feb mar apr jun jul aug sep sept oct nov dec
-    """.split()
-)
-_WORD_BEFORE = re.compile(r"[\w.]+$")
-_PARAGRAPH = re.compile(r"\n[ \t]*\n")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split ``text`` into sentences with a regex; no model or download needed.
-
-    A period after an abbreviation (Dr., e.g., U.S.), an initial (J.) or a one- or two-digit list
-    number (1.) does not end a sentence. Sentences come back stripped; empty ones are dropped.
-    """
-    sentences, start = [], 0
-    for m in _BOUNDARY.finditer(text):
-        # A paragraph break ends a sentence whatever precedes or follows it.
-        if m.group("stop") is not None and not _PARAGRAPH.search(m.group()):
-            if m.group("next").islower():
-                continue
-            if m.group("stop") == ".":
-                # A bounded look back keeps long documents linear.
-                before = _WORD_BEFORE.search(text, max(0, m.start() - 32), m.start())
-                word = before.group().lower() if before else ""
-                if (
-                    word in _ABBREVIATIONS
-                    or "." in word
-                    or (len(word) == 1 and word.isalpha())
-                    or (len(word) <= 2 and word.isdigit())
-                ):
-                    continue
-        sentence = text[start : m.end()].strip()
-        if sentence:
-            sentences.append(sentence)
-        start = m.end()
-    tail = text[start:].strip()
-    if tail:
-        sentences.append(tail)
-    return sentences
+# Bytes of input per chunk of work: small enough to balance the workers, large enough that
+# the per-chunk costs (a task, a pickled result, a write) stay negligible.
+CHUNK_BYTES = 1 << 18
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -111,132 +61,27 @@ def open_binary(path: str) -> BinaryIO:
 
 
 def read_chunks(paths: list[str]) -> Iterator[tuple[str, int, list[bytes]]]:
-    """``(path, first line number, raw lines)`` chunks of up to CHUNK_LINES lines / CHUNK_BYTES."""
+    """``(path, first line number, raw lines)`` chunks of whole lines, about CHUNK_BYTES each."""
     for path in paths:
         with open_binary(path) as f:
-            lines: list[bytes] = []
-            size, first = 0, 1
-            for lineno, line in enumerate(f, 1):
-                lines.append(line)
-                size += len(line)
-                if len(lines) >= CHUNK_LINES or size >= CHUNK_BYTES:
-                    yield path, first, lines
-                    lines, size, first = [], 0, lineno + 1
-            if lines:
+            first = 1
+            # readlines(hint) stops after the line that crosses the hint: one C loop per chunk
+            while lines := f.readlines(CHUNK_BYTES):
                 yield path, first, lines
+                first += len(lines)
 
 
-class BadLine(Exception):
-    """One input line that cannot become a document; the message is the reason."""
+def build_encoder(args: argparse.Namespace) -> JsonlEncoder:
+    """The encoder of the command line (also checks the tokenizer files)."""
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.lower_case
+    )
+    return JsonlEncoder(
+        tokenizer, args.json_keys, args.split_sentences, args.append_eod, args.skip_bad_lines
+    )
 
 
-@dataclass
-class ChunkResult:
-    """Encoded documents of one chunk, per JSON key, plus what was wrong with the bad lines."""
-
-    path: str
-    tokens: dict[str, np.ndarray]  # all sequences back to back
-    sequence_lengths: dict[str, np.ndarray]
-    document_sizes: dict[str, np.ndarray]  # sequences per document
-    bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
-    documents: int = 0
-    bytes: int = 0
-
-
-class Encoder:
-    """Turns raw JSONL lines into token sequences; built once per worker process."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            args.tokenizer_model,
-            args.vocab_file,
-            args.merge_file,
-            args.lower_case,
-        )
-        self.dtype = best_dtype(self.tokenizer.vocab_size)
-        self.keys, self.split = args.json_keys, args.split_sentences
-        self.append_eod, self.skip_bad_lines = args.append_eod, args.skip_bad_lines
-        self._encode = self.tokenizer.encode_np
-
-    def encode_line(self, raw: bytes) -> list[list[np.ndarray]]:
-        """The sequences of each key's document (EOD not yet appended), or BadLine."""
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadLine(f"invalid UTF-8 (byte {e.start})") from None
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            if not text.strip():
-                raise BadLine("blank line (expected a JSON object)") from None
-            raise BadLine(f"malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise BadLine(f"not a JSON object (a {type(record).__name__})")
-        # A \ud800-style escape without its pair decodes to a lone surrogate no tokenizer takes.
-        surrogates = b"\\ud" in raw or b"\\uD" in raw
-        documents = []
-        for key in self.keys:
-            if key not in record:
-                raise BadLine(f"missing key {key!r}")
-            value = record[key]
-            if isinstance(value, str):
-                if not value or value.isspace():  # isspace stops at the first other character
-                    raise BadLine(f"empty document in key {key!r}")
-                pieces = split_sentences(value) if self.split else [value]
-            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-                pieces = value  # already split into sentences, as Megatron accepts
-            else:
-                raise BadLine(f"not a string in key {key!r} (a {type(value).__name__})")
-            if surrogates:
-                for piece in pieces:
-                    try:
-                        piece.encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise BadLine(f"unpaired surrogate escape in key {key!r}") from None
-            sequences = [ids for ids in map(self._encode, pieces) if ids.size]
-            if not sequences:
-                raise BadLine(f"empty document in key {key!r} (no tokens)")
-            documents.append(sequences)
-        return documents
-
-    def encode_chunk(self, chunk: tuple[str, int, list[bytes]]) -> ChunkResult:
-        """Encode every line of a chunk; without --skip-bad-lines stop at the first bad one."""
-        path, first, lines = chunk
-        sequences: list[list[np.ndarray]] = [[] for _ in self.keys]  # per key, in order
-        sizes: list[list[int]] = [[] for _ in self.keys]  # per key: sequences per document
-        bad = []
-        for offset, raw in enumerate(lines):
-            try:
-                documents = self.encode_line(raw)
-            except BadLine as e:
-                bad.append((first + offset, str(e)))
-                if self.skip_bad_lines:
-                    continue
-                break
-            for k, document in enumerate(documents):
-                sequences[k] += document
-                sizes[k].append(len(document))
-        result = ChunkResult(path, {}, {}, {}, bad, len(sizes[0]), sum(map(len, lines)))
-        for key, key_sequences, key_sizes in zip(self.keys, sequences, sizes):
-            self._pack(result, key, key_sequences, np.asarray(key_sizes, dtype=np.int64))
-        return result
-
-    def _pack(self, result: ChunkResult, key: str, sequences: list, sizes: np.ndarray) -> None:
-        """Concatenate one key's sequences; EOD goes after each document's last sequence."""
-        lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
-        tokens = np.concatenate(sequences) if sequences else np.empty(0)
-        tokens = tokens.astype(self.dtype, copy=False)
-        if self.append_eod:
-            last = np.cumsum(sizes) - 1
-            tokens = np.insert(tokens, np.cumsum(lengths)[last], self.tokenizer.eod)
-            lengths[last] += 1
-        result.tokens[key] = tokens
-        result.sequence_lengths[key] = lengths
-        result.document_sizes[key] = sizes
-
-
-_WORKER: Encoder | None = None
+_WORKER: JsonlEncoder | None = None
 
 
 def _init_worker(args: argparse.Namespace) -> None:
@@ -244,7 +89,22 @@ def _init_worker(args: argparse.Namespace) -> None:
     # The parent handles Ctrl-C and tears the pool down; HF tokenizers must not fork threads.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = Encoder(args)
+    _WORKER = build_encoder(args)
+
+
+def _start_pool(args: argparse.Namespace) -> multiprocessing.pool.Pool:
+    """The worker pool, forked with SIGTERM at its default action (the kernel ends the process).
+
+    Workers would otherwise inherit main()'s Python SIGTERM handler. A SIGTERM from
+    Pool.terminate() that reaches a worker before its interpreter has finished forking is then
+    dropped (CPython clears signals caught before that point), the worker waits for tasks on a
+    lock terminate() holds, and the run hangs: 1 run in 40 on a loaded machine, before this.
+    """
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        return multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _encode_in_worker(chunk: tuple[str, int, list[bytes]]) -> ChunkResult:
@@ -290,7 +150,7 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
 def preprocess(args: argparse.Namespace) -> Summary:
     """Run the whole conversion; raises ConfigError on the first bad line unless skipping."""
     paths = expand_inputs(args.input)
-    encoder = Encoder(args)  # also checks the tokenizer files before any work
+    encoder = build_encoder(args)  # checks the tokenizer files before any work
     prefixes = output_prefixes(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     summary = Summary(outputs=list(prefixes.values()))
@@ -301,9 +161,7 @@ def preprocess(args: argparse.Namespace) -> Summary:
             for k, p in prefixes.items()
         }
         if args.workers > 1:
-            pool = stack.enter_context(
-                multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args,))
-            )
+            pool = stack.enter_context(_start_pool(args))
             results = ordered_map(pool, _encode_in_worker, read_chunks(paths), 2 * args.workers)
         else:
             results = map(encoder.encode_chunk, read_chunks(paths))
@@ -311,7 +169,9 @@ def preprocess(args: argparse.Namespace) -> Summary:
         for result in results:
             _record_bad(summary, result.path, result.bad, args.skip_bad_lines)
             for key, writer in writers.items():
-                _write(writer, result, key)
+                writer.add_documents(
+                    result.tokens[key], result.sequence_lengths[key], result.document_sizes[key]
+                )
             summary.documents += result.documents
             summary.sequences += sum(len(v) for v in result.sequence_lengths.values())
             summary.tokens += sum(len(v) for v in result.tokens.values())
@@ -328,17 +188,6 @@ def _record_bad(summary: Summary, path: str, bad: list[tuple[int, str]], skip: b
             raise ConfigError(f"{where}; fix the line or pass --skip-bad-lines")
         summary.bad_lines[reason.split(" (")[0]] += 1
         summary.first_bad = summary.first_bad or where
-
-
-def _write(writer: IndexedDatasetWriter, result: ChunkResult, key: str) -> None:
-    tokens = result.tokens[key]
-    bounds = np.concatenate(([0], np.cumsum(result.sequence_lengths[key]))).tolist()
-    seq = 0
-    for size in result.document_sizes[key].tolist():
-        for start, end in zip(bounds[seq : seq + size], bounds[seq + 1 : seq + size + 1]):
-            writer.add_sequence(tokens[start:end])
-        seq += size
-        writer.end_document()
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 The data is an ``IndexedDataset`` with one sequence per sentence (``preprocess_data.py
 --split-sentences``). A *sample mapping* row ``(first, end, target)`` names the sentences
 ``[first, end)`` of one document and a target length; every epoch regroups each eligible document
-greedily into such rows (see ``build_sample_mapping``) and the rows are shuffled within their epoch.
-The mapping is cached on disk. A sample is then made from its row and a random generator seeded by
+greedily into such rows and the rows are shuffled within their epoch (``bert_mapping``). The
+mapping is cached on disk. A sample is then made from its row and a random generator seeded by
 ``(seed, index)`` alone, so it never depends on DP size, workers or restarts::
 
     sentences [first, end) -> A = sentences before a random pivot, B = the rest
@@ -15,32 +15,17 @@ The mapping is cached on disk. A sample is then made from its row and a random g
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from megatron.data.gpt_dataset import (
-    _BLEND_SURPLUS,
-    SPLIT_NAMES,
-    _blend,
-    _normalize,
-    cached_indices,
-    dataset_fingerprint,
-    parse_data_paths,
-    split_ranges,
-)
+from megatron.data.bert_mapping import LONG_SENTENCE_TOKENS, MAPPING_VERSION, build_sample_mapping
+from megatron.data.index_cache import cached_indices, dataset_fingerprint
 from megatron.data.indexed_dataset import IndexedDataset, index_path
+from megatron.data.splits import build_split_datasets, parse_data_paths
 from megatron.errors import ConfigError
-
-# Megatron skips documents holding a "sentence" this long: such lines are tables or code, not prose.
-LONG_SENTENCE_TOKENS = 512
-# Bump when the mapping algorithm changes, so stale caches are not reused.
-_MAPPING_VERSION = 1
-# Entries of the lockstep frontier per batch of epochs (bounds the builder's memory).
-_FRONTIER_CAP = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -71,134 +56,6 @@ class BertVocab:
                 "use tokenizer.type=wordpiece with a BERT vocab.txt"
             )
         return cls(is_continuation=np.asarray(continuation, dtype=bool), **ids)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijective scramble of uint64 (the wrap-around is intended)."""
-    x = x ^ (x >> 30)
-    x = x * 0xBF58476D1CE4E5B9
-    x = x ^ (x >> 27)
-    x = x * 0x94D049BB133111EB
-    return x ^ (x >> 31)
-
-
-def _epoch_keys(seed: int, epochs: np.ndarray) -> np.ndarray:
-    """One random uint64 per (seed, epoch): the key of that epoch's target lengths."""
-    return _mix64(_mix64(np.array([seed], dtype=np.uint64)) + epochs.astype(np.uint64))
-
-
-def _targets(
-    keys: np.ndarray, firsts: np.ndarray, max_length: int, short_prob: float
-) -> np.ndarray:
-    """Per sample ``max_length``, or with probability ``short_prob`` uniform in [2, max_length].
-
-    A counter-based generator: one hash of (epoch key, first sentence) per sample, so the mapping
-    is the same however the build batches its epochs. Its high 32 bits decide whether the sample
-    is short and the low 32 bits pick the short length, two independent draws.
-    """
-    bits = _mix64(keys + firsts.astype(np.int64).view(np.uint64))
-    short = (bits >> 32) < np.uint64(round(short_prob * 2**32))
-    lengths = 2 + (bits & 0xFFFFFFFF) % np.uint64(max_length - 1)
-    return np.where(short, lengths.astype(np.int64), max_length)
-
-
-def build_sample_mapping(
-    document_indices: np.ndarray,
-    sequence_lengths: np.ndarray,
-    num_samples: int | None,
-    max_length: int,
-    short_seq_prob: float,
-    seed: int,
-    min_sentences: int = 2,
-) -> np.ndarray:
-    """Megatron's BERT sample mapping: rows ``(first sentence, end sentence, target length)``.
-
-    ``document_indices`` bounds the documents to use (sentence ids, documents+1 entries). Documents
-    with fewer than ``min_sentences`` sentences (2 for a binary head: one on each side of the
-    pivot) or with a sentence over LONG_SENTENCE_TOKENS are skipped. Each sample starts where the
-    previous one ended and takes sentences until it holds ``target`` tokens and ``min_sentences``
-    sentences, unless that would leave a single sentence behind: the document's last sample takes
-    the rest. Every document advances one sample per numpy step (all documents in lockstep), so
-    the work is vectorised over documents and epochs. Whole epochs are built until
-    ``num_samples`` rows exist (one epoch when None); rows are shuffled within their epoch and the
-    surplus of the last epoch is dropped. Empty when nothing is eligible.
-    """
-    docs = np.asarray(document_indices, dtype=np.int64)
-    base = int(docs[0])
-    sizes = sequence_lengths[base : docs[-1]]
-    # widen before the cumsum: numpy's casting accumulate is an order of magnitude slower
-    cum_tokens = np.concatenate([[0], np.cumsum(sizes.astype(np.int64))])
-    first, stop = docs[:-1] - base, docs[1:] - base
-    long = np.flatnonzero(sizes > LONG_SENTENCE_TOKENS)
-    has_long = np.searchsorted(long, stop) > np.searchsorted(long, first)
-    eligible = (stop - first >= min_sentences) & ~has_long
-    doc_first, doc_stop = first[eligible], stop[eligible]
-    if len(doc_first) == 0 or num_samples == 0:
-        return np.zeros((0, 3), dtype=np.int32)
-
-    dtype = np.int32 if docs[-1] <= np.iinfo(np.int32).max else np.int64  # halves the cache
-    rows: list[np.ndarray] = []  # one [samples, 3] array per epoch, shuffled
-    built, epoch = 0, 0
-    while epoch == 0 or (num_samples is not None and built < num_samples):
-        n_epochs = 1
-        if epoch > 0:  # batch the epochs still needed, estimated from the first one
-            wanted = math.ceil((num_samples - built) / len(rows[0]))
-            n_epochs = max(1, min(wanted, _FRONTIER_CAP // len(doc_first)))
-        epoch_ids = np.arange(epoch, epoch + n_epochs)
-        pieces = _group_sentences(
-            cum_tokens, doc_first, doc_stop, epoch_ids, base,
-            max_length, short_seq_prob, seed, min_sentences,
-        )  # fmt: skip
-        for e, piece in zip(epoch_ids.tolist(), pieces, strict=True):
-            if num_samples is not None and built >= num_samples:
-                break
-            order = np.random.default_rng([seed, e]).permutation(len(piece))
-            if num_samples is not None:
-                order = order[: num_samples - built]
-            rows.append(piece[order].astype(dtype))
-            built += len(order)
-        epoch += n_epochs
-    return np.concatenate(rows)
-
-
-def _group_sentences(
-    cum_tokens: np.ndarray,
-    doc_first: np.ndarray,
-    doc_stop: np.ndarray,
-    epoch_ids: np.ndarray,
-    base: int,
-    max_length: int,
-    short_seq_prob: float,
-    seed: int,
-    min_sentences: int,
-) -> list[np.ndarray]:
-    """Group every document of every epoch in ``epoch_ids`` into samples; [n, 3] rows per epoch.
-
-    All documents advance one sample per step. The frontier stays sorted by epoch, so each step's
-    rows split into per-epoch runs, and each epoch's rows come out in the same order however the
-    epochs are batched.
-    """
-    epochs = np.repeat(epoch_ids, len(doc_first))
-    keys = np.repeat(_epoch_keys(seed, epoch_ids), len(doc_first))
-    starts, stops = np.tile(doc_first, len(epoch_ids)), np.tile(doc_stop, len(epoch_ids))
-    per_epoch: list[list[tuple[np.ndarray, ...]]] = [[] for _ in epoch_ids]
-    while len(starts):
-        target = _targets(keys, starts + base, max_length, short_seq_prob)
-        # the sentence at which the running token count reaches the target
-        last = np.searchsorted(cum_tokens, cum_tokens[starts] + target) - 1
-        last = np.maximum(last, starts + min_sentences - 1)
-        last = np.where(last > stops - 3, stops - 1, last)  # never leave one sentence behind
-        bounds = np.searchsorted(epochs, epoch_ids, side="right").tolist()
-        for k, (lo, hi) in enumerate(zip([0, *bounds[:-1]], bounds, strict=True)):
-            if hi > lo:
-                per_epoch[k].append((starts[lo:hi], last[lo:hi] + 1, target[lo:hi]))
-        more = last + 1 < stops
-        epochs, keys, starts, stops = epochs[more], keys[more], last[more] + 1, stops[more]
-    rows = []
-    for pieces in per_epoch:
-        first, end, target = (np.concatenate(column) for column in zip(*pieces, strict=True))
-        rows.append(np.stack([first + base, end + base, target], axis=1))
-    return rows
 
 
 def truncate_pair(
@@ -278,7 +135,7 @@ class BertDataset(torch.utils.data.Dataset):
         min_sentences = 2 if binary_head else 1
         self.key = {
             "kind": "bert",
-            "version": _MAPPING_VERSION,
+            "version": MAPPING_VERSION,
             "idx_sha1": dataset_fingerprint(indexed.prefix),
             "documents": [begin, end],
             "num_samples": num_samples,
@@ -431,12 +288,9 @@ def build_bert_datasets(
     """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over documents).
 
     A split asked for 0 samples is None. One unweighted prefix gives a BertDataset; several are
-    blended exactly as ``build_gpt_datasets`` blends GPT data (weighted: each part indexes its
-    share plus megatron-core's surplus; unweighted: one epoch each, in proportion to their sizes).
+    blended exactly as GPT data is (see ``build_split_datasets``).
     """
     prefixes, weights = parse_data_paths(list(paths))
-    indexed = [IndexedDataset(p) for p in prefixes]
-    ranges = [split_ranges(split, ds.num_documents) for ds in indexed]
 
     def part(ds: IndexedDataset, documents: tuple[int, int], size: int | None) -> BertDataset:
         return BertDataset(
@@ -444,35 +298,6 @@ def build_bert_datasets(
             masked_lm_prob, short_seq_prob, max_ngram, binary_head,
         )  # fmt: skip
 
-    result: list[torch.utils.data.Dataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        n = num_samples[i]
-        if not n:
-            result.append(None)
-            continue
-        documents = [r[i] for r in ranges]
-        for ds, docs in zip(indexed, documents, strict=True):
-            if docs is None or docs[0] == docs[1]:
-                raise ConfigError(
-                    f'data.split="{split}" leaves the {name} split of {ds.prefix} no documents '
-                    f"({ds.num_documents} in all, {n} samples requested); give {name} a larger "
-                    "share or more data"
-                )
-        if len(prefixes) == 1 and weights is None:
-            result.append(part(indexed[0], documents[0], n))
-            continue
-        if weights is not None:
-            w = _normalize(weights)
-            sizes = [math.ceil(math.ceil(n * wd) * (1 + _BLEND_SURPLUS)) for wd in w]
-            parts = [part(*args) for args in zip(indexed, documents, sizes, strict=True)]
-        else:
-            parts = [part(ds, docs, None) for ds, docs in zip(indexed, documents, strict=True)]
-            w = _normalize([len(p) for p in parts])
-            if n > sum(len(p) for p in parts):
-                raise ConfigError(
-                    f"data.paths: the {name} split has {sum(len(p) for p in parts)} samples "
-                    f"in one epoch but {n} are requested; give weights ([w1, prefix1, ...]) "
-                    "to repeat data, or add data"
-                )
-        result.append(_blend(parts, w, n, name, cache_dir))
-    return tuple(result)
+    return build_split_datasets(
+        prefixes, weights, split, num_samples, part, cache_dir, by_documents=True
+    )

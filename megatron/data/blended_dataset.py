@@ -14,6 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron.data.index_cache import cached_indices
+from megatron.errors import ConfigError
+
+# Bump when the meaning of the cached blend arrays changes, so stale caches are never reused.
+_CACHE_VERSION = 1
+
 
 def blend_indices(weights: list[float] | np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``size`` samples of the mixture: (dataset_index int16, dataset_sample_index int64).
@@ -62,3 +68,39 @@ class BlendedDataset(torch.utils.data.Dataset):
         """Sample ``idx`` of the mixture (the component dataset's sample dict)."""
         dataset = self.datasets[int(self.dataset_index[idx])]
         return dataset[int(self.dataset_sample_index[idx])]
+
+
+def build_blended_dataset(
+    parts: list[torch.utils.data.Dataset],
+    weights: list[float],
+    size: int,
+    name: str,
+    cache_dir: str | None,
+) -> BlendedDataset:
+    """Mix ``parts`` into ``size`` samples by ``weights``, the blend indices cached on disk.
+
+    Each part carries ``key`` (the cache key of its own indices, which the blend's key includes)
+    and ``indexed`` (its IndexedDataset, named in errors). ``name`` is the split, for errors. A
+    part the blend would read past its end is a ConfigError.
+    """
+    key = {
+        "version": _CACHE_VERSION,
+        "parts": [p.key for p in parts],
+        "weights": weights,
+        "size": size,
+    }
+    arrays = cached_indices(
+        cache_dir,
+        "blend",
+        key,
+        ("dataset_index", "dataset_sample_index"),
+        lambda: dict(zip(("dataset_index", "dataset_sample_index"), blend_indices(weights, size))),
+    )
+    used = np.bincount(arrays["dataset_index"], minlength=len(parts))
+    for part, count in zip(parts, used, strict=True):
+        if count > len(part):
+            raise ConfigError(
+                f"data.paths: the {name} blend needs {count} samples of {part.indexed.prefix} "
+                f"but only {len(part)} are indexed; lower its weight or add data"
+            )
+    return BlendedDataset(parts, arrays["dataset_index"], arrays["dataset_sample_index"])

@@ -10,127 +10,27 @@ records where every sample starts as (position in the document index, token offs
 split, sequence length and sample count give the same samples in the same order as its
 GPTDataset.
 
-The indices are built with whole-array numpy operations and cached as ``.npy`` files (see
-``cached_indices``), which every rank then memory-maps.
+The indices are built with whole-array numpy operations and cached as ``.npy`` files
+(``index_cache``), which every rank then memory-maps.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import math
-import os
-import re
-import socket
-import time
-from collections.abc import Callable
-from typing import BinaryIO
-
 import numpy as np
 import torch
 
-from megatron.data.blended_dataset import BlendedDataset, blend_indices
-from megatron.data.indexed_dataset import IndexedDataset, index_path
-from megatron.errors import ConfigError
-from megatron.parallel.state import launcher_env
+from megatron.data.index_cache import cached_indices, dataset_fingerprint
+from megatron.data.indexed_dataset import IndexedDataset
 
-logger = logging.getLogger(__name__)
+# pretrain_bert.py and tools/bert_to_hdf5.py import these two from here
+from megatron.data.splits import SPLIT_NAMES as SPLIT_NAMES
+from megatron.data.splits import build_split_datasets, parse_data_paths
+from megatron.data.splits import split_ranges as split_ranges
 
-SPLIT_NAMES = ("train", "valid", "test")
 # Bump when the meaning of a cached array changes, so stale caches are never reused.
 _CACHE_VERSION = 1
 # megatron-core reshuffles a final epoch on its own when less than this share of it is used
 _FINAL_EPOCH_THRESHOLD = 0.80
-# megatron-core indexes this many extra samples per blended dataset, which sets its epochs
-_BLEND_SURPLUS = 0.005
-
-
-def split_ranges(split: str, num_elements: int) -> list[tuple[int, int] | None]:
-    """Megatron's ``"949,50,1"`` split: the [begin, end) element range of train, valid and test.
-
-    Weights are normalised, their running sums mark the bookends, and each bookend is rounded to
-    an element (half to even, as Python's round). A split of weight 0 is None.
-    """
-    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
-    if not weights or len(weights) > 3 or sum(weights) <= 0:
-        raise ConfigError(
-            f'data.split="{split}" must be up to three non-negative weights with a positive sum, '
-            'e.g. "949,50,1"'
-        )
-    weights += [0.0] * (3 - len(weights))
-    normalized = (np.array(weights, dtype=np.float64) / np.sum(weights)).tolist()
-    bookends = [0.0]
-    for w in normalized:
-        bookends.append(bookends[-1] + w)
-    ranges: list[tuple[int, int] | None] = []
-    for lo, hi in zip(bookends[:-1], bookends[1:], strict=True):
-        if hi <= lo:
-            ranges.append(None)
-        else:
-            ranges.append((int(round(lo * num_elements)), int(round(hi * num_elements))))
-    return ranges
-
-
-def dataset_fingerprint(prefix: str) -> str:
-    """A digest of the ``.idx`` file: the indices depend on the sequence lengths, not the tokens."""
-    with open(index_path(prefix), "rb") as f:
-        return hashlib.file_digest(f, "sha1").hexdigest()
-
-
-def _is_builder() -> bool:
-    """One process per node builds caches: LOCAL_RANK 0, or every process when not distributed."""
-    return not torch.distributed.is_initialized() or launcher_env()["LOCAL_RANK"] == "0"
-
-
-def _write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
-    # host and pid in the temporary name: several nodes may build into one shared directory
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def cached_indices(
-    cache_dir: str | None,
-    kind: str,
-    key: dict,
-    names: tuple[str, ...],
-    build: Callable[[], dict[str, np.ndarray]],
-) -> dict[str, np.ndarray]:
-    """Arrays ``names`` from ``build()``, cached under ``cache_dir`` by a hash of ``key``.
-
-    ``key`` must hold everything that determines the arrays. The node's builder (LOCAL_RANK 0, or
-    every process when torch.distributed is not initialised) builds them if missing and writes
-    each atomically, the JSON description last; then all ranks meet at a barrier and memory-map
-    the files. Without a cache_dir the arrays are built in memory on every rank.
-    """
-    if cache_dir is None:
-        return build()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    base = os.path.join(cache_dir, f"{kind}-{digest}")
-    paths = {name: f"{base}-{name}.npy" for name in names}
-    description = base + ".json"
-    if _is_builder() and not os.path.isfile(description):
-        start = time.perf_counter()
-        arrays = build()
-        os.makedirs(cache_dir, exist_ok=True)
-        for name in names:
-            _write_atomic(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
-        # the description goes last: its presence means every array is in place
-        text = json.dumps(key, indent=1, sort_keys=True).encode()
-        _write_atomic(description, lambda f: f.write(text))
-        logger.info("built %s indices in %.3f s: %s", kind, time.perf_counter() - start, base)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # the builder's files must exist before anyone maps them
-    if not os.path.isfile(description):
-        raise ConfigError(
-            f"{description}: index cache missing after the build; data.cache_dir must be a "
-            "directory every process on a node can see"
-        )
-    return {name: np.load(paths[name], mmap_mode="r") for name in names}
 
 
 def build_gpt_indices(
@@ -333,28 +233,6 @@ class GPTDataset(torch.utils.data.Dataset):
         return sample
 
 
-def parse_data_paths(paths: list) -> tuple[list[str], list[float] | None]:
-    """``data.paths``: a list of prefixes, or alternating weight, prefix (``[0.7, a, 0.3, b]``)."""
-    if not paths:
-        raise ConfigError("data.paths is empty; give one or more dataset prefixes")
-    if len(paths) % 2 == 0:
-        try:
-            weights = [float(w) for w in paths[0::2]]
-        except (TypeError, ValueError):
-            weights = None
-        if weights is not None:
-            if not all(w > 0 for w in weights):
-                raise ConfigError(f"data.paths={paths}: every weight must be positive")
-            return [str(p) for p in paths[1::2]], weights
-    return [str(p) for p in paths], None
-
-
-def _normalize(weights: list[float]) -> list[float]:
-    """megatron-core's normalisation, bit for bit (it decides the per-dataset sample counts)."""
-    w = np.array(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
-
-
 def build_gpt_datasets(
     paths: list,
     split: str,
@@ -367,90 +245,17 @@ def build_gpt_datasets(
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """Train, valid and test datasets from ``data.paths`` and ``data.split``.
+    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over sequences).
 
     A split asked for 0 samples is None. One unweighted prefix gives a GPTDataset with exactly
-    megatron-core's sample order. Several prefixes give a BlendedDataset: with weights, each
-    dataset indexes ``ceil(ceil(n * w) * 1.005)`` samples as megatron-core does (so its own sample
-    order matches); without weights, one epoch each, mixed in proportion to their sizes.
+    megatron-core's sample order; several give a BlendedDataset (see ``build_split_datasets``).
     """
     prefixes, weights = parse_data_paths(paths)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    ranges = [split_ranges(split, len(ds)) for ds in indexed]
-    options = dict(
-        seq_length=seq_length,
-        seed=seed,
-        cache_dir=cache_dir,
-        eod=eod,
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=eod_mask_loss,
-    )
-    result: list[torch.utils.data.Dataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        n = num_samples[i]
-        if not n:
-            result.append(None)
-            continue
-        for ds, r in zip(indexed, ranges, strict=True):
-            if r[i] is None or ds.sequence_lengths[r[i][0] : r[i][1]].sum(dtype=np.int64) < 2:
-                raise ConfigError(
-                    f'data.split="{split}" leaves the {name} split of {ds.prefix} without data '
-                    f"({n} samples requested); give {name} a larger share or more data"
-                )
-        if len(prefixes) == 1 and weights is None:
-            result.append(GPTDataset(indexed[0], ranges[0][i], n, **options))
-            continue
-        if weights is not None:
-            w = _normalize(weights)
-            sizes = [math.ceil(math.ceil(n * wd) * (1 + _BLEND_SURPLUS)) for wd in w]
-            parts = [
-                GPTDataset(ds, r[i], size, **options)
-                for ds, r, size in zip(indexed, ranges, sizes, strict=True)
-            ]
-        else:
-            parts = [GPTDataset(ds, r[i], None, **options) for ds, r in zip(indexed, ranges)]
-            w = _normalize([len(p) for p in parts])
-            if n > sum(len(p) for p in parts):
-                raise ConfigError(
-                    f"data.paths: the {name} split has {sum(len(p) for p in parts)} samples "
-                    f"of one epoch but {n} are requested; give weights ([w1, prefix1, ...]) "
-                    "to repeat data, or add data"
-                )
-        result.append(_blend(parts, w, n, name, cache_dir))
-    return tuple(result)
 
+    def part(indexed: IndexedDataset, sequences: tuple[int, int], size: int | None) -> GPTDataset:
+        return GPTDataset(
+            indexed, sequences, size, seq_length, seed, cache_dir, eod,
+            reset_position_ids, reset_attention_mask, eod_mask_loss,
+        )  # fmt: skip
 
-def _blend(
-    parts: list[torch.utils.data.Dataset],
-    weights: list[float],
-    size: int,
-    name: str,
-    cache_dir: str | None,
-) -> BlendedDataset:
-    """Mix ``parts`` (each with ``.key``, its cache key, and ``.indexed``) into ``size`` samples.
-
-    Shared with bert_dataset. The blend indices are cached like the parts' own indices; a part
-    that the blend would read past its end is a ConfigError.
-    """
-    key = {
-        "version": _CACHE_VERSION,
-        "parts": [p.key for p in parts],
-        "weights": weights,
-        "size": size,
-    }
-    arrays = cached_indices(
-        cache_dir,
-        "blend",
-        key,
-        ("dataset_index", "dataset_sample_index"),
-        lambda: dict(zip(("dataset_index", "dataset_sample_index"), blend_indices(weights, size))),
-    )
-    used = np.bincount(arrays["dataset_index"], minlength=len(parts))
-    for part, count in zip(parts, used, strict=True):
-        if count > len(part):
-            raise ConfigError(
-                f"data.paths: the {name} blend needs {count} samples of {part.indexed.prefix} "
-                f"but only {len(part)} are indexed; lower its weight or add data"
-            )
-    return BlendedDataset(parts, arrays["dataset_index"], arrays["dataset_sample_index"])
+    return build_split_datasets(prefixes, weights, split, num_samples, part, cache_dir)

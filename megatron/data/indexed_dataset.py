@@ -112,11 +112,11 @@ class IndexedDatasetWriter:
             self.abort()
             raise
 
-    def add_sequence(self, tokens: np.ndarray | list[int]) -> None:
-        """Append one sequence (a sentence, or a whole document) to the current document."""
+    def _tokens(self, tokens: np.ndarray | list[int]) -> np.ndarray:
+        """``tokens`` as a 1-D array of this dataset's dtype; an id that does not fit raises."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
-            raise ValueError(f"a sequence must be 1-D, got shape {arr.shape}")
+            raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
         if arr.dtype != self.dtype:
             if arr.size and self.dtype.kind in "iu":
                 info = np.iinfo(self.dtype)
@@ -127,6 +127,11 @@ class IndexedDatasetWriter:
                         f"not fit {self.dtype}; write with int32 (best_dtype(vocab_size))"
                     )
             arr = arr.astype(self.dtype)
+        return arr
+
+    def add_sequence(self, tokens: np.ndarray | list[int]) -> None:
+        """Append one sequence (a sentence, or a whole document) to the current document."""
+        arr = self._tokens(tokens)
         self._bin.write(arr.tobytes())
         self._lengths.append(arr.size)
 
@@ -139,6 +144,39 @@ class IndexedDatasetWriter:
         for seq in sequences:
             self.add_sequence(seq)
         self.end_document()
+
+    def add_documents(
+        self,
+        tokens: np.ndarray,
+        sequence_lengths: np.ndarray,
+        document_sizes: np.ndarray,
+    ) -> None:
+        """Append whole documents at once: one write for many sequences.
+
+        ``tokens`` holds every sequence back to back, ``sequence_lengths`` the length of each and
+        ``document_sizes`` how many sequences each document has; the files are the same as from
+        ``add_sequence`` and ``end_document`` called for each.
+        """
+        arr = self._tokens(tokens)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        sizes = np.asarray(document_sizes, dtype=np.int64)
+        if lengths.ndim != 1 or sizes.ndim != 1:
+            raise ValueError("sequence_lengths and document_sizes must be 1-D")
+        if lengths.sum() != arr.size or sizes.sum() != lengths.size:
+            raise ValueError(
+                f"{lengths.size} sequences of {lengths.sum()} tokens in {sizes.sum()} document "
+                f"slots do not match {arr.size} tokens"
+            )
+        if (lengths.size and lengths.min() < 0) or (sizes.size and sizes.min() < 0):
+            raise ValueError("sequence lengths and document sizes must be non-negative")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError("a sequence is longer than the int32 length field allows")
+        if self._document_indices[-1] != len(self._lengths):
+            raise ValueError("end_document() the open document before adding whole documents")
+        base = len(self._lengths)
+        self._bin.write(arr.tobytes())
+        self._lengths.frombytes(lengths.astype(np.int32).tobytes())
+        self._document_indices.frombytes((np.cumsum(sizes) + base).tobytes())
 
     def add_dataset(self, prefix: str) -> None:
         """Append every document of the dataset at ``prefix`` (merging); copies the .bin bytes."""

@@ -5,18 +5,21 @@
 run unchanged. Every tokenizer exposes ``vocab_size`` (before model padding), ``eod`` (the id
 appended at document ends) and ``pad``/``cls``/``sep``/``mask`` where the vocabulary has them.
 
-The GPT-2 path runs on ``tiktoken`` built offline from ``vocab.json``/``merges.txt``: on these
-machines it is several times faster than HF ``tokenizers`` with identical ids (tests check them).
+Each implementation follows ``tokenizer_base.Tokenizer``; GPT-2 BPE lives in ``gpt2_bpe``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from abc import ABC, abstractmethod
 
 import numpy as np
 
+# GPT2_EOD and bytes_to_unicode: tests/fixtures/make_tokenizer_fixtures.py imports them from here
+from megatron.data.gpt2_bpe import GPT2_EOD as GPT2_EOD
+from megatron.data.gpt2_bpe import GPT2BPETokenizer
+from megatron.data.gpt2_bpe import bytes_to_unicode as bytes_to_unicode
+from megatron.data.tokenizer_base import Tokenizer, flagged, require_file
 from megatron.errors import ConfigError
 
 # Megatron's --tokenizer-type names map onto ours.
@@ -34,207 +37,6 @@ TOKENIZER_TYPES: dict[str, str] = {
 }
 # Megatron's BERT aliases carry the casing in their name.
 _ALIAS_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
-# Command-line flags of tools/preprocess_data.py, named next to the config key in errors.
-_FLAGS = {
-    "tokenizer.type": "--tokenizer-type",
-    "tokenizer.model": "--tokenizer-model",
-    "tokenizer.vocab_file": "--vocab-file",
-    "tokenizer.merges_file": "--merge-file",
-    "tokenizer.lower_case": "--lower-case",
-}
-# GPT-2's pre-tokenizer: contractions, letter runs, digit runs, other symbols, whitespace.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-GPT2_EOD = "<|endoftext|>"
-
-
-def _key(key: str) -> str:
-    return f"{key} ({_FLAGS[key]})"
-
-
-def _require_file(key: str, path: str | None, what: str) -> str:
-    """``path`` if it names an existing file, else a ConfigError naming the key and the fix."""
-    if not path:
-        raise ConfigError(f"{_key(key)} is not set; give {what}")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{key}={path}: file not found; give {what} ({_FLAGS[key]})")
-    return path
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from each byte to a printable character, in GPT-2's id order.
-
-    ``vocab.json`` and ``merges.txt`` spell tokens with these characters: printable Latin-1 bytes
-    stand for themselves; the 68 others (controls, space, ...) map to code points from 256 up.
-    """
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
-
-
-class Tokenizer(ABC):
-    """Text to token ids and back; ``eod`` closes a document, specials are None where absent."""
-
-    vocab_size: int
-    eod: int
-    pad: int | None = None
-    cls: int | None = None
-    sep: int | None = None
-    mask: int | None = None
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text`` (no special tokens added)."""
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` of each text; the library's batch call where it has one."""
-        return [self.encode(t) for t in texts]
-
-    def encode_np(self, text: str) -> np.ndarray:
-        """``encode`` as a 1-D integer array, skipping Python ints where the library allows."""
-        return np.asarray(self.encode(text), dtype=np.int64)
-
-    @abstractmethod
-    def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``."""
-
-
-class GPT2BPETokenizer(Tokenizer):
-    """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``; ``<|endoftext|>`` is EOD.
-
-    Encoding runs on tiktoken, whose BPE merges by the rank of the merged bytes. When the ids of
-    merge results grow with merge order (true of GPT-2's and of HF-trained files) the ids are the
-    ranks; otherwise ranks follow merge order and a lookup table maps them back to ids.
-    """
-
-    def __init__(self, vocab_file: str, merges_file: str, num_threads: int = 1) -> None:
-        import tiktoken
-
-        vocab = _load_gpt2_vocab(vocab_file)
-        merges = _load_gpt2_merges(merges_file, vocab, vocab_file)
-        if GPT2_EOD not in vocab:
-            raise ConfigError(
-                f"tokenizer.vocab_file={vocab_file}: no {GPT2_EOD} token, which GPT-2 BPE uses "
-                "as end of document; add it to vocab.json"
-            )
-        byte_char = bytes_to_unicode()
-        char_byte = {c: b for b, c in byte_char.items()}
-        missing = [b for b, c in byte_char.items() if c not in vocab]
-        if missing:
-            raise ConfigError(
-                f"tokenizer.vocab_file={vocab_file}: {len(missing)} of the 256 single-byte tokens "
-                f"are missing (first: byte {missing[0]}); byte-level BPE needs all of them"
-            )
-
-        def to_bytes(token: str) -> bytes:
-            return bytes(char_byte[c] for c in token)
-
-        # The first merge producing a token fixes its priority, as in GPT-2's own files.
-        merged: dict[bytes, int] = {}
-        for a, b in merges:
-            merged.setdefault(to_bytes(a + b), vocab[a + b])
-        merged_ids = np.fromiter(merged.values(), dtype=np.int64, count=len(merged))
-        single = {bytes([b]): vocab[c] for b, c in byte_char.items()}
-        self.num_threads = num_threads
-        self.vocab_size = max(vocab.values()) + 1
-        self.eod = vocab[GPT2_EOD]
-        self._rank_to_id: np.ndarray | None = None
-        if np.all(np.diff(merged_ids) > 0):
-            ranks = {**single, **merged}
-            special = {GPT2_EOD: self.eod}
-        else:
-            # Ranks 0-255 are the bytes, 256+i the i-th merge, then EOD; ids come back by lookup.
-            ranks = {bytes([b]): b for b in range(256)}
-            ranks.update((tok, 256 + i) for i, tok in enumerate(merged))
-            special = {GPT2_EOD: 256 + len(merged)}
-            rank_ids = [single[bytes([b])] for b in range(256)] + [*merged.values(), self.eod]
-            self._rank_to_id = np.array(rank_ids, dtype=np.int64)
-        self._enc = tiktoken.Encoding(
-            f"gpt2-bpe-{self.vocab_size}",
-            pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens=special,
-        )
-        # Tokens that are not byte strings (EOD, added tokens) decode to their own text.
-        self._id_bytes = [b""] * self.vocab_size
-        for token, i in vocab.items():
-            spelled = all(c in char_byte for c in token) and token != GPT2_EOD
-            self._id_bytes[i] = to_bytes(token) if spelled else token.encode("utf-8")
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``; a literal ``<|endoftext|>`` in it is ordinary text, as in Megatron."""
-        if self._rank_to_id is None:
-            return self._enc.encode_ordinary(text)
-        return self.encode_np(text).tolist()
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode on ``num_threads`` threads (tiktoken releases the GIL)."""
-        if self.num_threads <= 1 or self._rank_to_id is not None:
-            return [self.encode(t) for t in texts]
-        return self._enc.encode_ordinary_batch(texts, num_threads=self.num_threads)
-
-    def encode_np(self, text: str) -> np.ndarray:
-        """Ids as a uint32 array straight from tiktoken's buffer (int64 if remapped)."""
-        ranks = self._enc.encode_to_numpy(text, disallowed_special=())
-        return ranks if self._rank_to_id is None else self._rank_to_id[ranks]
-
-    def decode(self, ids: list[int]) -> str:
-        """Concatenate the tokens' bytes; invalid UTF-8 (a cut character) becomes U+FFFD."""
-        return b"".join(self._id_bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-
-def _load_gpt2_vocab(path: str | None) -> dict[str, int]:
-    path = _require_file("tokenizer.vocab_file", path, "the GPT-2 vocab.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            vocab = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"tokenizer.vocab_file={path}: not a JSON vocabulary ({e}); give GPT-2's vocab.json"
-        ) from None
-    if not isinstance(vocab, dict) or not all(
-        isinstance(i, int) and i >= 0 for i in vocab.values()
-    ):
-        raise ConfigError(
-            f"tokenizer.vocab_file={path}: expected a JSON object of token -> id (ints >= 0); "
-            "give GPT-2's vocab.json"
-        )
-    if len(set(vocab.values())) != len(vocab):
-        raise ConfigError(
-            f"tokenizer.vocab_file={path}: two tokens share an id; ids must be unique"
-        )
-    return vocab
-
-
-def _load_gpt2_merges(path: str | None, vocab: dict[str, int], vocab_file: str) -> list:
-    path = _require_file("tokenizer.merges_file", path, "the GPT-2 merges.txt")
-    merges = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if (lineno == 1 and line.startswith("#version")) or not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ConfigError(
-                    f"tokenizer.merges_file={path}:{lineno}: expected two tokens per line, got "
-                    f"{len(parts)}; give GPT-2's merges.txt"
-                )
-            for token in (*parts, parts[0] + parts[1]):
-                if token not in vocab:
-                    raise ConfigError(
-                        f"tokenizer.merges_file={path}:{lineno}: token {token!r} is not in "
-                        f"{vocab_file}; the vocab and merges files do not belong together"
-                    )
-            merges.append((parts[0], parts[1]))
-    return merges
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -243,7 +45,7 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str, num_threads: int = 1) -> None:
         import sentencepiece
 
-        path = _require_file("tokenizer.model", model_file, "a sentencepiece .model")
+        path = require_file("tokenizer.model", model_file, "a sentencepiece .model")
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
         except (OSError, RuntimeError) as e:
@@ -316,7 +118,7 @@ class WordPieceTokenizer(_HFBacked):
         from tokenizers import Tokenizer as HFTokenizerCore
         from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-        path = _require_file("tokenizer.vocab_file", vocab_file, "a BERT vocab.txt")
+        path = require_file("tokenizer.vocab_file", vocab_file, "a BERT vocab.txt")
         with open(path, encoding="utf-8") as f:
             tokens = [line.strip() for line in f]
         self.vocab = {t: i for i, t in enumerate(tokens)}
@@ -378,7 +180,7 @@ class HFTokenizer(_HFBacked):
 
         if model and os.path.isdir(model):
             model = os.path.join(model, "tokenizer.json")
-        path = _require_file("tokenizer.model", model, "a HF tokenizer.json")
+        path = require_file("tokenizer.model", model, "a HF tokenizer.json")
         try:
             tok = HFTokenizerCore.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception for unreadable files
@@ -452,7 +254,7 @@ def build_tokenizer(
         if type in _ALIAS_LOWER_CASE:
             if lower_case and not _ALIAS_LOWER_CASE[type]:
                 raise ConfigError(
-                    f"{_key('tokenizer.lower_case')}=true contradicts tokenizer.type={type}; "
+                    f"{flagged('tokenizer.lower_case')}=true contradicts tokenizer.type={type}; "
                     "use BertWordPieceLowerCase or drop lower_case"
                 )
             lower_case = _ALIAS_LOWER_CASE[type]

@@ -1,0 +1,87 @@
+"""On-disk cache of dataset indices: built once per node, then memory-mapped by every rank.
+
+A cache entry is a set of ``.npy`` arrays plus a JSON description, all named by a hash of the key
+that determines them (``{kind}-{digest}-{name}.npy``, ``{kind}-{digest}.json``). The description
+is written last, so its presence means every array is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from megatron.data.indexed_dataset import index_path
+from megatron.errors import ConfigError
+from megatron.parallel.state import launcher_env
+
+logger = logging.getLogger(__name__)
+
+
+def dataset_fingerprint(prefix: str) -> str:
+    """A digest of the ``.idx`` file: the indices depend on the sequence lengths, not the tokens."""
+    with open(index_path(prefix), "rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()
+
+
+def _is_builder() -> bool:
+    """One process per node builds caches: LOCAL_RANK 0, or every process when not distributed."""
+    return not torch.distributed.is_initialized() or launcher_env()["LOCAL_RANK"] == "0"
+
+
+def _write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
+    # host and pid in the temporary name: several nodes may build into one shared directory
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def cached_indices(
+    cache_dir: str | None,
+    kind: str,
+    key: dict,
+    names: tuple[str, ...],
+    build: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """Arrays ``names`` from ``build()``, cached under ``cache_dir`` by a hash of ``key``.
+
+    ``key`` must hold everything that determines the arrays. The node's builder (LOCAL_RANK 0, or
+    every process when torch.distributed is not initialised) builds them if missing and writes
+    each atomically, the JSON description last; then all ranks meet at a barrier and memory-map
+    the files. Without a cache_dir the arrays are built in memory on every rank.
+    """
+    if cache_dir is None:
+        return build()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    base = os.path.join(cache_dir, f"{kind}-{digest}")
+    paths = {name: f"{base}-{name}.npy" for name in names}
+    description = base + ".json"
+    if _is_builder() and not os.path.isfile(description):
+        start = time.perf_counter()
+        arrays = build()
+        os.makedirs(cache_dir, exist_ok=True)
+        for name in names:
+            _write_atomic(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
+        # the description goes last: its presence means every array is in place
+        text = json.dumps(key, indent=1, sort_keys=True).encode()
+        _write_atomic(description, lambda f: f.write(text))
+        logger.info("built %s indices in %.3f s: %s", kind, time.perf_counter() - start, base)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the builder's files must exist before anyone maps them
+    if not os.path.isfile(description):
+        raise ConfigError(
+            f"{description}: index cache missing after the build; data.cache_dir must be a "
+            "directory every process on a node can see"
+        )
+    return {name: np.load(paths[name], mmap_mode="r") for name in names}
