@@ -11,8 +11,14 @@ from __future__ import annotations
 
 
 def flops_per_iteration(
-    *, num_layers: int, hidden_size: int, ffn_hidden_size: int, seq_length: int,
-    padded_vocab_size: int, global_batch_size: int, recompute: bool,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    seq_length: int,
+    padded_vocab_size: int,
+    global_batch_size: int,
+    recompute: bool,
 ) -> float:
     """Total FLOPs of one optimizer step over the whole global batch (all ranks together)."""
     h, s = hidden_size, seq_length

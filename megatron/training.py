@@ -252,11 +252,8 @@ def _data(
             state.device.type == "cuda",
         )
 
-    # Starting a DataLoader iterator draws a seed from the global torch generator. Outside this
-    # fork it would move a resumed run's generator off the state the checkpoint restored.
-    with torch.random.fork_rng(devices=[]):
-        train_iter = stream(train_ds, progress.consumed_train_samples)
-        valid_iter = stream(valid_ds, progress.consumed_valid_samples) if valid_ds else None
+    train_iter = stream(train_ds, progress.consumed_train_samples)
+    valid_iter = stream(valid_ds, progress.consumed_valid_samples) if valid_ds else None
     return train_iter, valid_iter
 
 

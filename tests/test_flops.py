@@ -9,8 +9,13 @@ from megatron.flops import flops_per_iteration
 def test_matches_megatron_closed_form(recompute):
     b, s, layers, h, v = 512, 1024, 72, 3072, 51200
     got = flops_per_iteration(
-        num_layers=layers, hidden_size=h, ffn_hidden_size=4 * h, seq_length=s,
-        padded_vocab_size=v, global_batch_size=b, recompute=recompute,
+        num_layers=layers,
+        hidden_size=h,
+        ffn_hidden_size=4 * h,
+        seq_length=s,
+        padded_vocab_size=v,
+        global_batch_size=b,
+        recompute=recompute,
     )
     if recompute:
         want = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))

@@ -24,9 +24,9 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.bert_dataset import BertDataset, BertVocab, masked_count  # noqa: E402
-from megatron.data.gpt_dataset import SPLIT_NAMES, split_ranges  # noqa: E402
 from megatron.data.hdf5_dataset import write_shard  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.data.splits import SPLIT_NAMES, split_ranges  # noqa: E402
 from megatron.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 

@@ -21,11 +21,7 @@ import torch
 
 from megatron.data.index_cache import cached_indices, dataset_fingerprint
 from megatron.data.indexed_dataset import IndexedDataset
-
-# pretrain_bert.py and tools/bert_to_hdf5.py import these two from here
-from megatron.data.splits import SPLIT_NAMES as SPLIT_NAMES
 from megatron.data.splits import build_split_datasets, parse_data_paths
-from megatron.data.splits import split_ranges as split_ranges
 
 # Bump when the meaning of a cached array changes, so stale caches are never reused.
 _CACHE_VERSION = 1

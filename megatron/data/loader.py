@@ -90,5 +90,8 @@ def build_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
+        # Its own generator: starting an iterator draws a worker seed, and drawing it from the
+        # global generator would shift every later dropout mask (and break bit-exact resume).
+        generator=torch.Generator(),
     )
     return iter(loader)

@@ -15,10 +15,7 @@ import os
 
 import numpy as np
 
-# GPT2_EOD and bytes_to_unicode: tests/fixtures/make_tokenizer_fixtures.py imports them from here
-from megatron.data.gpt2_bpe import GPT2_EOD as GPT2_EOD
 from megatron.data.gpt2_bpe import GPT2BPETokenizer
-from megatron.data.gpt2_bpe import bytes_to_unicode as bytes_to_unicode
 from megatron.data.tokenizer_base import Tokenizer, flagged, require_file
 from megatron.errors import ConfigError
 
