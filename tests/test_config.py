@@ -217,7 +217,7 @@ def test_required_key_and_invalid_yaml(tmp_path):
             "set training.train_iters or training.train_samples (how long to train)",
         ),
         (
-            ["optimizer.lr_warmup_iters=300"],
+            ["training.train_iters=300", "optimizer.lr_warmup_iters=300"],
             2,
             "optimizer.lr_warmup_iters=300 must be below optimizer.lr_decay_iters=300 (default: "
             "training.train_iters); shorten the warmup",
@@ -229,7 +229,11 @@ def test_required_key_and_invalid_yaml(tmp_path):
         (["tokenizer.type=gpt2"], 2, "tokenizer.type=gpt2 needs tokenizer.vocab_file; set it"),
         (["data.split=1,2,3,4"], 2, "data.split='1,2,3,4' must be 1-3 non-negative numbers"),
         (["data.paths=[0.5, a, b]"], 2, "mixes prefixes and weights"),
-        (["training.train_samples=100"], 2, "training.train_iters=300 disagrees with"),
+        (
+            ["training.train_iters=300", "training.train_samples=100"],
+            2,
+            "training.train_iters=300 disagrees with",
+        ),
     ],
 )
 def test_documented_errors(overrides, world, message):
