@@ -41,6 +41,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from megatron.atomic_file import fsync_path
 from megatron.checkpoint_reshard import (
     FORMAT_VERSION,
     META,
@@ -68,15 +69,6 @@ _ITER = re.compile(r"iter_(\d+)")
 # What killed saves leave behind: unpublished directories, set-aside copies, pointer temp files.
 _LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-\d+")
 _T = TypeVar("_T")
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file, or a directory (which makes the renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_text(path: str, text: str) -> None:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.parallel.data_parallel import DataParallel
-from megatron.parallel.state import ParallelState
 from tests.distributed import run_distributed
+from tests.test_optimizer import single_state
 
 VOCAB = 13
 BUCKET_MB = 150 * 4 / 2**20  # 150 fp32 values: three buckets, one of several parameters
@@ -52,21 +52,6 @@ def serial_grads(model: nn.Module, ids, targets) -> dict[str, torch.Tensor]:
     ref = copy.deepcopy(model)
     loss_fn(ref, ids, targets).backward()
     return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-
-
-def single_state() -> ParallelState:
-    return ParallelState(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-        dp_size=1,
-        dp_rank=0,
-        dp_group=None,
-        device=torch.device("cpu"),
-    )
 
 
 def accumulate(ddp: DataParallel, ids, targets, micro: int, probe=None) -> list:

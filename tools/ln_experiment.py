@@ -26,33 +26,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron.atomic_file import write_atomic  # noqa: E402
 from tools.make_sample_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import main as preprocess  # noqa: E402
 
 ARMS = ("pre", "post")
 LOSSES = ("lm_loss", "sop_loss")
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def _write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)`` then fsync and rename: ``path`` is either absent or complete."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def train_wordpiece(corpus: str, path: str, vocab_size: int) -> None:
@@ -78,7 +62,7 @@ def train_wordpiece(corpus: str, path: str, vocab_size: int) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(f"{t}\n" for t in tokens)
 
-    _write_atomic(path, write)
+    write_atomic(path, write)
 
 
 def prepare_data(data_dir: str, size_mb: float, vocab_size: int) -> tuple[str, str]:
@@ -186,7 +170,7 @@ def write_csv(path: str, curves: dict[str, list[dict]]) -> None:
                     row += [repr(entry[k]) if k in entry else "" for k in LOSSES]
                 w.writerow(row)
 
-    _write_atomic(path, write)
+    write_atomic(path, write)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -218,7 +202,7 @@ def plot(path: str, curves: dict[str, list[dict]], title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    _write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 from collections.abc import Sequence
 
 import h5py
 import numpy as np
 import torch
 
+from megatron.atomic_file import write_atomic
 from megatron.errors import ConfigError
 
 FIELDS: dict[str, type] = {
@@ -66,22 +66,14 @@ def write_shard(path: str, samples: Sequence[dict[str, np.ndarray]], max_predict
         arrays["masked_lm_positions"][i, : len(positions)] = positions
         arrays["masked_lm_ids"][i, : len(positions)] = sample["labels"][positions]
         arrays["next_sentence_labels"][i] = sample["is_random"]
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    try:
+
+    def write(tmp: str) -> None:
         with h5py.File(tmp, "w") as f:
             for name, data in arrays.items():
                 chunks = (min(n, _CHUNK_ROWS), *data.shape[1:])
                 f.create_dataset(name, data=data, chunks=chunks, compression="gzip")
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    write_atomic(path, write)
 
 
 def shard_files(path: str) -> list[str]:

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import BinaryIO
@@ -19,6 +18,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from megatron.atomic_file import write_atomic
 from megatron.data.indexed_dataset import index_path
 from megatron.errors import ConfigError
 from megatron.parallel.state import launcher_env
@@ -38,13 +38,11 @@ def _is_builder() -> bool:
 
 
 def _write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
-    # host and pid in the temporary name: several nodes may build into one shared directory
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    def to_file(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    write_atomic(path, to_file)
 
 
 def cached_indices(

@@ -27,6 +27,7 @@ from types import TracebackType
 
 import numpy as np
 
+from megatron.atomic_file import fsync_path
 from megatron.errors import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -59,14 +60,6 @@ def data_path(prefix: str) -> str:
 def index_path(prefix: str) -> str:
     """The ``.idx`` (index) path of a dataset prefix."""
     return prefix + ".idx"
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class IndexedDatasetWriter:
@@ -222,7 +215,7 @@ class IndexedDatasetWriter:
             os.fsync(f.fileno())
         os.replace(self._bin_tmp, data_path(self.prefix))
         os.replace(self._idx_tmp, index_path(self.prefix))
-        _fsync_path(os.path.dirname(os.path.abspath(self.prefix)))
+        fsync_path(os.path.dirname(os.path.abspath(self.prefix)))
         self._closed = True
 
     def abort(self) -> None:
