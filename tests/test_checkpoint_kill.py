@@ -1,0 +1,135 @@
+"""SIGKILL at every file-system step of a save: ``latest`` always names a complete checkpoint.
+
+A child process runs a real save and kills itself at one traced step; the parent then loads and
+checks it gets exactly the previous (or the new, once published) checkpoint's weights.
+"""
+
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from megatron import checkpointing
+from megatron.checkpointing import (
+    find_latest,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron.parallel.state import initialize
+from tests.distributed import run_distributed
+from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
+
+
+def _trace_save(save_dir, args, kill_at: int | None) -> list[str]:
+    """Save with every file-system step recorded; SIGKILL this process before step ``kill_at``."""
+    trace: list[str] = []
+
+    def hook(owner, name):
+        real = getattr(owner, name)
+
+        def step(*a, **k):
+            paths = [os.path.basename(x) for x in a if isinstance(x, str)]
+            trace.append(" ".join([name, *paths]))
+            if len(trace) - 1 == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+
+        setattr(owner, name, step)
+
+    for name in ("fsync", "rename", "replace", "remove"):
+        hook(os, name)
+    hook(shutil, "rmtree")
+    hook(checkpointing, "save_file")
+    save_checkpoint(save_dir, *args)
+    return trace
+
+
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its wait status (the child never returns into pytest)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    return os.waitpid(pid, 0)[1]
+
+
+def _kill_each_step(save_dir: str, args: tuple, expect, probe: tuple, st) -> list[str]:
+    """Trace one save of ``args``; then, from the same starting directory, kill a save before each
+    of its steps and check what ``latest`` names and what loads: ``expect(trace, kill_at)`` gives
+    (iteration, weights)."""
+    pristine, trace_file = f"{save_dir}.pristine", f"{save_dir}.trace.json"
+    shutil.copytree(save_dir, pristine)
+
+    def record():
+        with open(trace_file, "w") as f:
+            json.dump(_trace_save(save_dir, args, None), f)
+
+    assert _in_child(record) == 0
+    with open(trace_file) as f:
+        trace = json.load(f)
+    for kill_at in range(len(trace)):
+        shutil.rmtree(save_dir)
+        shutil.copytree(pristine, save_dir)
+        status = _in_child(lambda k=kill_at: _trace_save(save_dir, args, k))
+        where = f"killed before {trace[kill_at]}"
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, where
+        iteration, weights = expect(trace, kill_at)
+        assert find_latest(save_dir) == iteration, where
+        assert load_checkpoint(save_dir, *probe, st, VOCAB)["iteration"] == iteration, where
+        assert same(snapshot(probe[0]), weights), where
+    shutil.rmtree(pristine)
+    return trace
+
+
+def _step(trace: list[str], prefix: str, suffix: str) -> int:
+    return next(i for i, s in enumerate(trace) if s.startswith(prefix) and s.endswith(suffix))
+
+
+def _kill_during_save(cfg, root):
+    st = initialize(1)
+    model, optimizer, schedule, tracker = build(cfg, st)
+    probe = build(cfg, st, seed=7)
+    save_dir = os.path.join(root, "ckpt")
+    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    states = {}
+    train(model, optimizer, schedule, 1, seed=1)
+    states[1] = snapshot(model)
+    save_checkpoint(save_dir, 1, *args)
+    train(model, optimizer, schedule, 1, seed=2)
+    states[2] = snapshot(model)
+
+    def over_1(trace, kill_at):  # saving 2 over 1; keep_last=1 then deletes 1
+        new = kill_at > _step(trace, "replace", " latest")
+        return (2, states[2]) if new else (1, states[1])
+
+    traces = [_kill_each_step(save_dir, (2, *args), over_1, probe, st)]
+    save_checkpoint(save_dir, 2, *args)
+    train(model, optimizer, schedule, 1, seed=3)
+    states[3] = snapshot(model)
+
+    def over_2(trace, kill_at):  # saving 2 again: the old copy steps aside, the new one moves in
+        new = kill_at > _step(trace, "rename iter_0000002.tmp-", " iter_0000002")
+        return 2, states[3] if new else states[2]
+
+    traces.append(_kill_each_step(save_dir, (2, *args), over_2, probe, st))
+    # The next complete save clears whatever the killed ones left behind.
+    save_checkpoint(save_dir, 2, *args)
+    return traces, sorted(os.listdir(save_dir))
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_step_of_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """The process is killed before each file-system step of a save (writes, fsyncs, renames,
+    deletions): ``latest`` names the old checkpoint until its own replace has happened, and
+    loading always yields exactly the checkpoint it names. Twice: saving iteration 2 over 1
+    (keep_last=1, so 1 is deleted too), and saving iteration 2 again with newer weights."""
+    cfg = tiny_config(tmp_path, "checkpoint.keep_last=1")
+    traces, listing = run_distributed(_kill_during_save, 1, cfg, str(tmp_path))[0]
+    kinds = [s.split()[0] for s in traces[0]]
+    assert kinds.count("save_file") == 2 and "rmtree" in kinds and len(kinds) >= 12
+    assert any(s.startswith("rename iter_0000002 iter_0000002.old-") for s in traces[1])
+    assert listing == ["iter_0000002", "latest"]
