@@ -386,7 +386,7 @@ def load_checkpoint(
         if optimizer is not None:
             optimizer.reload_main_params()
         if state.rank == 0:
-            logger.info("loaded the weights of %s (finetune)", path)
+            logger.info("loaded the weights of %s", path)
         return None
     if optimizer is not None:
         scaler = meta["grad_scaler"] or optimizer.state_dict()["grad_scaler"]

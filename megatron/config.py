@@ -42,6 +42,9 @@ class ModelConfig:
     init_method_std: float = _doc("Std of the normal weight initialisation.", 0.02)
     make_vocab_size_divisible_by: int = _doc("Vocab padded to a multiple of this times TP.", 128)
     recompute: Literal["none", "full"] = _doc("Activation recomputation per layer.", "none")
+    activation: Literal["gelu", "gelu_tanh"] = _doc(
+        "MLP GeLU: exact (erf), or the tanh approximation of released GPT-2 weights.", "gelu"
+    )
 
 
 @dataclass
@@ -281,7 +284,7 @@ def config_reference() -> str:
 # The loading and checking halves live beside this schema and are re-exported, so callers need
 # only ``megatron.config``. Imported last: both read the dataclasses defined above.
 from megatron.config_checks import check_world, validate  # noqa: E402
-from megatron.config_load import load_config, parse_args, resolve  # noqa: E402
+from megatron.config_load import config_from_dict, load_config, parse_args, resolve  # noqa: E402
 
 __all__ = [
     "BertConfig",
@@ -298,6 +301,7 @@ __all__ = [
     "TokenizerConfig",
     "TrainingConfig",
     "check_world",
+    "config_from_dict",
     "config_reference",
     "load_config",
     "padded_vocab_size",

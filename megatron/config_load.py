@@ -92,18 +92,45 @@ def load_config(paths: Sequence[str], overrides: Sequence[str] = ()) -> Config:
     raw: dict[str, dict[str, Any]] = {name: {} for name in FIELDS}
     origin: dict[str, str] = {}  # dotted key -> where its final value came from
     for path in paths:
-        data, lines = _read_yaml(path)
-        for section, values in data.items():
-            # Keys YAML reads as non-strings (true, 1.0) print differently: fall back to line 1.
-            where = f"{path}:{lines.get(str(section), 1)}"
-            _check_key(str(section), None, where)
-            if not isinstance(values, dict | None):
-                raise ConfigError(f"{where}: section '{section}' must map key: value")
-            for key, value in (values or {}).items():
-                dotted = f"{section}.{key}"
-                origin[dotted] = f"{path}:{lines.get(dotted, 1)}"
-                _check_key(section, str(key), origin[dotted])
-                raw[section][str(key)] = value
+        _merge(raw, origin, path, *_read_yaml(path))
+    return _with_overrides(raw, origin, overrides)
+
+
+def config_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] = ()) -> Config:
+    """A Config from a nested dict (a checkpoint's saved config), then ``overrides``.
+
+    ``where`` names the dict's source in errors (e.g. the checkpoint's meta.json).
+    """
+    raw: dict[str, dict[str, Any]] = {name: {} for name in FIELDS}
+    origin: dict[str, str] = {}
+    _merge(raw, origin, where, data, {})
+    return _with_overrides(raw, origin, overrides)
+
+
+def _merge(
+    raw: dict[str, dict[str, Any]],
+    origin: dict[str, str],
+    path: str,
+    data: dict,
+    lines: dict[str, int],
+) -> None:
+    """Layer ``data`` (read from ``path``, keys at ``lines``) over ``raw``."""
+    for section, values in data.items():
+        # Keys YAML reads as non-strings (true, 1.0) print differently: fall back to line 1.
+        where = f"{path}:{lines.get(str(section), 1)}"
+        _check_key(str(section), None, where)
+        if not isinstance(values, dict | None):
+            raise ConfigError(f"{where}: section '{section}' must map key: value")
+        for key, value in (values or {}).items():
+            dotted = f"{section}.{key}"
+            origin[dotted] = f"{path}:{lines.get(dotted, 1)}"
+            _check_key(section, str(key), origin[dotted])
+            raw[section][str(key)] = value
+
+
+def _with_overrides(
+    raw: dict[str, dict[str, Any]], origin: dict[str, str], overrides: Sequence[str]
+) -> Config:
     for item in overrides:
         dotted, sep, text = item.partition("=")
         where = f"override '{item}'"

@@ -103,7 +103,7 @@ def _count_layer_collectives(tp: int):
     cfg = tiny_model_config()
     tracker = RNGTracker(st.device)
     tracker.seed(0, st.tp_rank)
-    layer = TransformerLayer(cfg, st, tracker)
+    layer = TransformerLayer(cfg, st, tracker, 0)
     x = torch.randn(2, 8, cfg.hidden_size, requires_grad=True)
     calls = []
     real = {

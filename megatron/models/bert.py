@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.embedding import Embedding
-from megatron.models.transformer import TransformerStack
+from megatron.models.transformer import TransformerStack, gelu
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.layers import InitMethod, normal_init
 from megatron.parallel.mappings import copy_to_tp
@@ -54,7 +54,7 @@ class BertLMHead(nn.Module):
     def __init__(self, cfg, padded_vocab_size: int, state: ParallelState):
         super().__init__()
         h = cfg.hidden_size
-        self.group = state.tp_group
+        self.group, self.activation = state.tp_group, cfg.activation
         self.dense = _linear(h, h, normal_init(cfg.init_method_std), state.device)
         self.layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=state.device)
         vocab_per_partition = padded_vocab_size // state.tp_size
@@ -63,7 +63,7 @@ class BertLMHead(nn.Module):
         self.bias.vocab_padded = True
 
     def forward(self, x: Tensor, word_weight: Tensor) -> Tensor:
-        x = self.layernorm(F.gelu(self.dense(x)))  # [..., h], replicated
+        x = self.layernorm(gelu(self.dense(x), self.activation))  # [..., h], replicated
         # f: the logits are column-parallel in the word table, so the input's gradient is summed
         return F.linear(copy_to_tp(x, self.group), word_weight, self.bias)  # [..., V / tp]
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.embedding import Embedding
+from megatron.models.kv_cache import KVCache
 from megatron.models.transformer import TransformerStack
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.mappings import copy_to_tp
@@ -18,7 +20,8 @@ class GPTModel(nn.Module):
     when ``labels`` are given (the logits then go straight into the vocab-parallel loss).
 
     ``attention_mask`` (optional, bool [b, 1, s, s]) follows Megatron: True means masked out; it
-    replaces the plain causal mask when documents reset attention.
+    replaces the plain causal mask when documents reset attention. ``kv_cache`` (inference):
+    ``tokens`` continue the cached positions; see ``new_kv_cache``.
     """
 
     def __init__(
@@ -40,9 +43,14 @@ class GPTModel(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         attend = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
-        h = self.transformer(self.embedding(tokens, position_ids), attend)  # [b, s, h]
+        if kv_cache is not None and position_ids is None:
+            start = kv_cache.length
+            position_ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        h = self.embedding(tokens, position_ids)  # [b, s, h]
+        h = self.transformer(h, attend, kv_cache)
         # The tied head is a column-parallel matmul with the vocab-split embedding table.
         logits = F.linear(copy_to_tp(h, self.tp_group), self.embedding.word.weight)
         if labels is None:
@@ -50,4 +58,18 @@ class GPTModel(nn.Module):
         # The logits are this call's own temporary, so the loss may overwrite them.
         return vocab_parallel_cross_entropy(
             logits, labels, self.vocab_size, self.tp_group, inplace=True
+        )
+
+    def new_kv_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of up to ``max_length`` positions."""
+        attention = self.transformer.layers[0].attention
+        weight = self.embedding.word.weight
+        return KVCache(
+            len(self.transformer.layers),
+            batch_size,
+            attention.heads_per_partition,
+            max_length,
+            attention.head_dim,
+            weight.dtype,
+            weight.device,
         )
