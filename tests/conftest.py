@@ -21,3 +21,16 @@ def gpt_data(tmp_path_factory):
     from tests.gpt_run import prepare_gpt_data
 
     return prepare_gpt_data(tmp_path_factory.mktemp("gpt_data"))
+
+
+@pytest.fixture(scope="session")
+def trained_gpt(tmp_path_factory, gpt_data):
+    """A tiny GPT (2 layers, hidden 64, 512-piece sentencepiece vocab, seq 32) trained for 20
+    iterations at TP=2 by the real entrypoint; ``ckpt`` is its save directory."""
+    from tests.gpt_run import run_pretrain, tiny_overrides
+
+    run = tmp_path_factory.mktemp("trained_gpt")
+    ckpt = run / "ckpt"
+    overrides = tiny_overrides(gpt_data, run, **{"checkpoint.save": ckpt})
+    run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, nproc=2)
+    return {**gpt_data, "ckpt": str(ckpt), "run": str(run)}
