@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.config import Config
 from megatron.data.bert_dataset import BertVocab, build_bert_datasets
-from megatron.data.hdf5_dataset import Hdf5BertDataset, shard_files
-from megatron.data.splits import SPLIT_NAMES, parse_data_paths, split_ranges
+from megatron.data.hdf5_dataset import split_shards
 from megatron.data.tokenizers import Tokenizer
 from megatron.errors import ConfigError
 from megatron.models.bert import BertModel
@@ -38,30 +36,9 @@ def model_provider(
     )
 
 
-def _hdf5_datasets(cfg: Config, num_samples: tuple[int, int, int]) -> list:
-    """Pre-masked shards: their rows, in file order, split by ``data.split`` into three parts."""
-    paths, weights = parse_data_paths(list(cfg.data.paths))
-    if weights is not None:
-        raise ConfigError("data.paths: weights are not supported with data.format=hdf5; drop them")
-    files = [f for path in paths for f in shard_files(path)]
-    rows = Hdf5BertDataset(files, cfg.model.seq_length)
-    parts = []
-    ranges = split_ranges(cfg.data.split, len(rows))
-    for name, wanted, bounds in zip(SPLIT_NAMES, num_samples, ranges, strict=True):
-        have = 0 if bounds is None else bounds[1] - bounds[0]
-        if wanted and have < wanted:
-            raise ConfigError(
-                f"data.paths: the hdf5 shards give the {name} split {have} samples but the run "
-                f"needs {wanted}; write more (tools/bert_to_hdf5.py --num-samples) or change "
-                "data.split, training.train_iters or training.eval_iters"
-            )
-        parts.append(torch.utils.data.Subset(rows, range(*bounds)) if wanted else None)
-    return parts
-
-
 def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int]):
     if cfg.data.format == "hdf5":
-        return _hdf5_datasets(cfg, num_samples)
+        return split_shards(cfg.data.paths, cfg.data.split, cfg.model.seq_length, num_samples)
     d, b = cfg.data, cfg.bert
     return build_bert_datasets(
         d.paths,

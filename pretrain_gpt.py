@@ -59,5 +59,6 @@ if __name__ == "__main__":
             model_provider,
             datasets_provider,
             forward_step,
+            model_type="gpt",
         )
     )

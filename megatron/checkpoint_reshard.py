@@ -251,7 +251,8 @@ def read_state(
     ``params``; empty without an optimizer), resharded from the checkpoint's TP size to this one.
 
     ``files``: the checkpoint's tensor files, one per saved TP rank. Raises ConfigError naming
-    the checkpoint when it was saved from another model.
+    the checkpoint when it was saved from another model, or when an optimizer asks for the state
+    of a weights-only checkpoint (meta.json ``weights_only``).
     """
     where, layout = os.path.dirname(files[0]), meta["tensors"]
     source = ShardedTensors(files, layout, meta["vocab_size"])
@@ -259,7 +260,11 @@ def read_state(
 
     def read(key: str, shape: torch.Size) -> Tensor:
         if key not in layout:
-            raise ConfigError(f"{where} has no tensor {key}: it was saved from another model")
+            raise ConfigError(
+                f"{where} has no tensor {key}, which this model needs: it was saved from another "
+                "model config; build the model with the checkpoint's model.* settings (its "
+                "meta.json config), or load a checkpoint of this model"
+            )
         t = source.read(key, state.tp_size, state.tp_rank, padded)
         if t.shape != shape:
             raise ConfigError(
@@ -272,10 +277,19 @@ def read_state(
     weights = {name: read(f"model/{name}", t.shape) for name, t in local.items()}
     extra = [k for k in layout if k.startswith("model/") and k[len("model/") :] not in local]
     if extra:
-        raise ConfigError(f"{where} holds {extra[0]}, which this model lacks: another model's")
+        raise ConfigError(
+            f"{where} holds {extra[0]}, which this model lacks: it was saved from another model "
+            "config; build the model with the checkpoint's model.* settings (its meta.json "
+            "config), or load a checkpoint of this model"
+        )
     entries: dict[str, dict[str, Any]] = {}
     if optimizer is None:
         return weights, entries
+    if meta.get("weights_only"):
+        raise ConfigError(
+            f"{where} holds weights only, no optimizer state (tools/checkpoint_util.py "
+            "--weights-only); start from it with checkpoint.finetune=true"
+        )
     params = dict(model.named_parameters())
     for name in optimizer.state_dict()["params"]:
         entry: dict[str, Any] = {}

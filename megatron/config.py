@@ -1,11 +1,12 @@
-"""The run's configuration: documented dataclasses, YAML + ``section.key=value`` loading, checks.
+"""The run's configuration schema: documented dataclasses, and the config as plain data.
 
-``load_config`` merges YAML files (later wins) and overrides, rejects unknown keys with a
-did-you-mean, type-checks every value against the annotations, then ``resolve`` fills the
-defaults that depend on other keys (FFN size, position table, decay iterations, ...) so each part
-of the program receives a complete section. ``validate`` runs every check that needs the world
-size or the file system, before any process group or data work. World-size-dependent values
-(DP size, micro-batches per step, padded vocabulary) come from ``Config.derived`` only.
+Loading lives in ``megatron.config_load`` (``load_config`` merges YAML files and overrides,
+rejects unknown keys with a did-you-mean, type-checks every value, then ``resolve`` fills the
+defaults that depend on other keys) and checking in ``megatron.config_checks`` (``validate``:
+every check that needs the world size or the file system, before any process group or data
+work). Both import this module and it imports neither, so any of the three can be a program's
+first import. World-size-dependent values (DP size, micro-batches per step, padded vocabulary)
+come from ``Config.derived`` only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class ModelConfig:
     hidden_size: int = _doc("Width of the residual stream.")
     num_attention_heads: int = _doc("Attention heads; divisible by the TP size.")
     seq_length: int = _doc("Tokens per training sample.")
+    type: Literal["gpt", "bert"] | None = _doc(
+        "The model this config is for; the other entrypoint refuses it. null: the entrypoint's.",
+        None,
+    )
     max_position_embeddings: int | None = _doc("Position table rows; null: seq_length.", None)
     ffn_hidden_size: int | None = _doc("MLP inner width; null: 4 * hidden_size.", None)
     hidden_dropout: float = _doc("Dropout on embeddings and sublayer outputs.", 0.1)
@@ -76,11 +81,50 @@ class DataConfig:
 class TokenizerConfig:
     """Which tokenizer, and its files."""
 
-    type: Literal["sentencepiece", "gpt2", "wordpiece", "hf"] = _doc("Tokenizer family.")
-    model: str | None = _doc("sentencepiece .model, or hf tokenizer.json.", None)
+    type: Literal[
+        "sentencepiece",
+        "gpt2",
+        "wordpiece",
+        "hf",
+        "SentencePieceTokenizer",
+        "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer",
+        "GPT2BPETokenizer",
+        "BertWordPieceLowerCase",
+        "BertWordPieceCase",
+        "HuggingFaceTokenizer",
+        "TikTokenizer",
+        "NullTokenizer",
+    ] = _doc("Tokenizer family, or Megatron's type name (the ids megatron-core gives).")
+    model: str | None = _doc(
+        "sentencepiece .model, hf tokenizer.json (or its directory), tiktoken vocabulary .json.",
+        None,
+    )
     vocab_file: str | None = _doc("gpt2 vocab.json, or wordpiece vocab.txt.", None)
     merges_file: str | None = _doc("gpt2 merges.txt.", None)
     lower_case: bool = _doc("Lower-case text before wordpiece.", False)
+    vocab_extra_ids: int | None = _doc(
+        "T5 sentinels <extra_id_0..N-1> added as special tokens (wordpiece, sentencepiece, hf); "
+        "null: Megatron's default, 100 for BertWordPieceCase, else 0.",
+        None,
+    )
+    special_tokens: list[str] | None = _doc(
+        "Special tokens to add (sentencepiece: with sentencepiece_legacy); TikTokenizer: its "
+        "special tokens, which must include <unk> <s> </s> <mask> <pad> <cls> <sep>.",
+        None,
+    )
+    sentencepiece_legacy: bool = _doc(
+        "megatron-core's legacy sentencepiece wrapper, which takes special_tokens.", False
+    )
+    tiktoken_pattern: Literal["v1", "v2"] | None = _doc(
+        "TikTokenizer pre-tokenizer pattern; null: v2.", None
+    )
+    tiktoken_num_special_tokens: int = _doc("TikTokenizer ids before the BPE ranks.", 1000)
+    vocab_size: int | None = _doc(
+        "NullTokenizer: ids in the data (EOD is one more); TikTokenizer: vocabulary size "
+        "(null: 131072).",
+        None,
+    )
 
 
 @dataclass
@@ -105,6 +149,9 @@ class TrainingConfig:
     seed: int = _doc("Seed of weights, dropout and data order.", 1234)
     eval_interval: int = _doc("Iterations between evaluations.", 1000)
     eval_iters: int = _doc("Validation batches per evaluation (0: none).", 10)
+    test_iters: int = _doc(
+        "Test-split batches evaluated once when training ends (0: none, no test split built).", 0
+    )
     exit_interval: int | None = _doc("Save and exit when iteration % this == 0.", None)
     exit_duration_in_mins: float | None = _doc("Save and exit after this many minutes.", None)
     max_consecutive_nan: int = _doc("Stop after this many skipped steps in a row.", 10)
@@ -150,7 +197,10 @@ class CheckpointConfig:
     load: str | None = _doc("Checkpoint directory to resume from; null: save's, if any.", None)
     save_interval: int | None = _doc("Iterations between saves; null: only at exit.", None)
     keep_last: int | None = _doc("Checkpoints kept; null: all.", None)
-    finetune: bool = _doc("Load weights only: fresh optimizer, schedule and data.", False)
+    finetune: bool = _doc(
+        "Start from load's weights alone (new optimizer, schedule, data); restarts resume save's.",
+        False,
+    )
 
 
 @dataclass
@@ -194,8 +244,10 @@ class Config:
     bert: BertConfig
 
     def derived(self, world_size: int) -> Derived:
-        """DP size, micro-batches per step and vocab padding for ``world_size`` ranks."""
-        check_world(self, world_size)
+        """DP size, micro-batches per step and vocab padding for ``world_size`` ranks.
+
+        For a config that passed ``config_checks.check_world`` (or ``validate``) at that size.
+        """
         tp = self.parallel.tensor_parallel_size
         dp = world_size // tp
         t = self.training
@@ -214,7 +266,17 @@ TOKENIZER_FILES = {
     "gpt2": "vocab_file merges_file",
     "wordpiece": "vocab_file",
     "hf": "model",
+    "SentencePieceTokenizer": "model",
+    "GPTSentencePieceTokenizer": "model",
+    "Llama2Tokenizer": "model",
+    "GPT2BPETokenizer": "vocab_file merges_file",
+    "BertWordPieceLowerCase": "vocab_file",
+    "BertWordPieceCase": "vocab_file",
+    "HuggingFaceTokenizer": "model",
+    "TikTokenizer": "model",
+    "NullTokenizer": "",
 }  # keys each tokenizer type reads
+MODEL_SECTIONS = {"bert": "bert"}  # sections only one model type reads: section -> model.type
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -261,12 +323,21 @@ def split_fractions(split: str) -> tuple[float, float, float]:
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    """Plain nested dict of the config, for YAML/JSON (checkpoints, TensorBoard, printing)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict of the config, for YAML/JSON (checkpoints, TensorBoard, printing).
+
+    With ``model.type`` set, the sections only the other model reads are left out.
+    """
+    kind = cfg.model.type
+    return {
+        name: section
+        for name, section in dataclasses.asdict(cfg).items()
+        if kind is None or MODEL_SECTIONS.get(name, kind) == kind
+    }
 
 
 def to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML that ``load_config`` reads back to an equal Config."""
+    """The resolved config as YAML that ``load_config`` reads back to an equal Config (sections
+    left out by ``to_dict`` read back at their defaults)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
@@ -279,37 +350,3 @@ def config_reference() -> str:
             kind = f.type.replace("|", "\\|")  # a bare | would end the Markdown cell
             rows.append(f"| `{name}.{key}` | `{kind}` | `{default}` | {f.metadata['doc']} |")
     return "\n".join(rows)
-
-
-# The loading and checking halves live beside this schema and are re-exported, so callers need
-# only ``megatron.config``. Imported last: both read the dataclasses defined above.
-from megatron.config_checks import check_world, validate  # noqa: E402
-from megatron.config_load import config_from_dict, load_config, parse_args, resolve  # noqa: E402
-
-__all__ = [
-    "BertConfig",
-    "CheckpointConfig",
-    "Config",
-    "DataConfig",
-    "Derived",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelConfig",
-    "PrecisionConfig",
-    "TOKENIZER_FILES",
-    "TokenizerConfig",
-    "TrainingConfig",
-    "check_world",
-    "config_from_dict",
-    "config_reference",
-    "load_config",
-    "padded_vocab_size",
-    "parse_args",
-    "resolve",
-    "split_fractions",
-    "to_dict",
-    "to_yaml",
-    "validate",
-    "weighted_paths",
-]

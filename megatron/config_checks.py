@@ -22,9 +22,9 @@ _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads mode
     optimizer.lr_decay_iters optimizer.adam_eps precision.loss_scale precision.initial_loss_scale
     precision.loss_scale_window precision.hysteresis precision.min_loss_scale
     checkpoint.save_interval checkpoint.keep_last logging.log_interval bert.max_ngram""".split()
-_NON_NEGATIVE = """model.init_method_std training.eval_iters data.num_workers optimizer.min_lr
-    optimizer.weight_decay optimizer.clip_grad optimizer.lr_warmup_iters optimizer.lr_warmup_init
-    bert.num_tokentypes""".split()
+_NON_NEGATIVE = """model.init_method_std training.eval_iters training.test_iters data.num_workers
+    optimizer.min_lr optimizer.weight_decay optimizer.clip_grad optimizer.lr_warmup_iters
+    optimizer.lr_warmup_init bert.num_tokentypes""".split()
 _FRACTION = """model.hidden_dropout model.attention_dropout optimizer.adam_beta1
     optimizer.adam_beta2 bert.masked_lm_prob bert.short_seq_prob""".split()  # in [0, 1)
 
@@ -121,8 +121,16 @@ def _check_config(cfg: Config) -> None:
             f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); "
             "shorten the warmup"
         )
-    if cfg.checkpoint.finetune and not cfg.checkpoint.load:
+    ckpt = cfg.checkpoint
+    if ckpt.finetune and not ckpt.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to tune)")
+    if ckpt.finetune and ckpt.save and os.path.realpath(ckpt.save) == os.path.realpath(ckpt.load):
+        # A restart resumes a fine-tune from checkpoint.save: there it could not tell the
+        # fine-tune's own checkpoints from the pretrained ones (and keep_last would delete those).
+        raise ConfigError(
+            f"checkpoint.finetune=true saves into checkpoint.load={ckpt.load}, the pretrained "
+            "checkpoint; set checkpoint.save to a directory of its own"
+        )
     weighted_paths(cfg.data.paths)
     split_fractions(cfg.data.split)
     for key in TOKENIZER_FILES[cfg.tokenizer.type].split():
@@ -134,7 +142,8 @@ def _check_files(cfg: Config) -> None:
     """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id."""
     tok = cfg.tokenizer
     for key in TOKENIZER_FILES[tok.type].split():
-        if not os.path.isfile(getattr(tok, key)):
+        # exists, not isfile: a HF tokenizer may be given as its directory
+        if not os.path.exists(getattr(tok, key)):
             raise ConfigError(f"tokenizer.{key}: {getattr(tok, key)} not found; fix the path")
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(
@@ -157,13 +166,7 @@ def _check_files(cfg: Config) -> None:
     from megatron.data.indexed_dataset import IndexedDataset
     from megatron.data.tokenizers import build_tokenizer
 
-    vocab_size = build_tokenizer(
-        tok.type,
-        model=tok.model,
-        vocab_file=tok.vocab_file,
-        merges_file=tok.merges_file,
-        lower_case=tok.lower_case,
-    ).vocab_size
+    vocab_size = build_tokenizer(**vars(tok)).vocab_size
     for prefix in prefixes:
         dtype = IndexedDataset(prefix).dtype  # raises ConfigError naming a missing/corrupt file
         if dtype.kind not in "iu" or np.iinfo(dtype).max < vocab_size - 1:

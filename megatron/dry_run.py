@@ -2,7 +2,8 @@
 
 Runs with no GPU and no process group (a login node will do). It validates the config for the
 world size; opens every tokenizer and data file (headers, sizes, and that no token id reaches the
-vocabulary: a vectorised scan of the memory-mapped tokens, sampled when the data is huge); then
+vocabulary: a vectorised scan of the memory-mapped tokens, sampled when the data is huge; for
+hdf5 shards, that each split holds the samples the run draws from it); then
 reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate.py), the FLOPs
 per iteration, and whether the run fits in ``--gpu-memory-gb``. A file that does not exist here
 (the data may live on the cluster only) is named and skipped; a file that exists but is wrong is
@@ -20,8 +21,11 @@ from typing import TextIO
 
 import numpy as np
 
-from megatron.config import TOKENIZER_FILES, Config, validate, weighted_paths
+from megatron.config import TOKENIZER_FILES, Config, weighted_paths
+from megatron.config_checks import validate
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
+from megatron.data.sidecar import check_data_tokenizer
+from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.errors import ConfigError
 from megatron.estimate import (
     DTYPE_BYTES,
@@ -144,9 +148,7 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
     if not any(f in missing for f in files):
         from megatron.data.tokenizers import build_tokenizer
 
-        size = build_tokenizer(
-            tok.type, tok.model, tok.vocab_file, tok.merges_file, tok.lower_case
-        ).vocab_size
+        size = build_tokenizer(**vars(tok)).vocab_size
         return size, f"{tok.type} from {', '.join(files)}"
     # The standard files' sizes, assumed only when the files are absent here: GPT-2 BPE, and
     # Google's BERT WordPiece vocabularies (uncased, cased).
@@ -158,6 +160,22 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
             "vocabulary size, copy it here or fix the path"
         )
     return known, f"{tok.type} ASSUMED (files absent; the standard vocabulary has {known})"
+
+
+def _check_hdf5_splits(cfg: Config, missing: list[str]) -> str:
+    """hdf5 data: that each split holds the samples the run draws from it (pre-masked rows are
+    never repeated), as the run itself checks at start; a summary, or "" when not checked."""
+    paths = [p for _, p in weighted_paths(cfg.data.paths)]
+    if cfg.data.format != "hdf5" or any(p in missing for p in paths):
+        return ""
+    from megatron.data.hdf5_dataset import split_shards
+
+    needed = samples_per_split(cfg.training)
+    parts = split_shards(cfg.data.paths, cfg.data.split, cfg.model.seq_length, needed)
+    return ", ".join(
+        f"{name} {len(part):,} >= {n:,}" if part is not None else f"{name} unused"
+        for name, part, n in zip(SPLIT_NAMES, parts, needed, strict=True)
+    )
 
 
 def _report_memory(
@@ -220,6 +238,7 @@ def dry_run(
     missing = missing_files(cfg)
     if not missing:
         validate(cfg, world, check_files=True)
+    split_counts = _check_hdf5_splits(cfg, missing)
     derived = cfg.derived(world)
     out.write(
         f"dry run ({model_type}): world {world} = DP {derived.dp_size} x TP {tp}; "
@@ -230,9 +249,13 @@ def dry_run(
         out.write(f"  (no --world-size: checked for one replica of {tp} GPU(s))\n")
     for path in missing:
         out.write(f"ABSENT here: {path} (not checked; the run fails at start if it is absent)\n")
+    if split_counts:
+        out.write(f"data: hdf5 splits (samples held >= needed): {split_counts}\n")
     vocab, source = vocab_size(cfg, missing)
     padded = derived.padded_vocab_size(vocab)
     out.write(f"tokenizer: {source}; vocab {vocab:,}, padded to {padded:,} at TP {tp}\n")
+    if not missing:  # the data's sidecars against the tokenizer, as training checks them
+        check_data_tokenizer(cfg.tokenizer, cfg.data, lambda msg: out.write(f"WARNING: {msg}\n"))
     for _, path in weighted_paths(cfg.data.paths):
         if cfg.data.format == "hdf5":
             if path in missing:

@@ -192,12 +192,15 @@ class MetricsLogger:
         }
         log.info(format_line(fields))
 
-    def validation(self, iteration: int, samples: int, means: dict[str, float]) -> None:
-        """The validation line: each metric and its perplexity."""
+    def validation(
+        self, iteration: int, samples: int, means: dict[str, float], split: str = "validation"
+    ) -> None:
+        """The line of an evaluation on ``split`` (validation, or test): each metric and its
+        perplexity, named ``<metric> <split>``."""
         values = {}
         for name, value in means.items():
-            values[f"{name} validation"] = value
-            values[f"{name} validation ppl"] = perplexity(value)
+            values[f"{name} {split}"] = value
+            values[f"{name} {split} ppl"] = perplexity(value)
         self.scalars(values, iteration, samples)
         self.record(
             {
@@ -206,7 +209,7 @@ class MetricsLogger:
                 **{k.replace(" ", "_"): v for k, v in values.items()},
             }
         )
-        log.info("validation at iteration %d | %s", iteration, format_line(values))
+        log.info("%s at iteration %d | %s", split, iteration, format_line(values))
 
     def flush(self) -> None:
         self.tb.flush()

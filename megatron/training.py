@@ -5,7 +5,7 @@ tokenizer, model, optimizer and data, resumes from the newest intact checkpoint 
 one, then runs: micro-batches -> forward/backward -> DP gradient sync -> unscale/check/clip/step
 -> LR step -> evaluate -> agree (metrics and exit flags, one all-reduce) -> log -> save, until
 ``train_iters`` (or ``train_samples``), ``exit_interval``, ``exit_duration_in_mins`` or the exit
-signal.
+signal; a run that reaches ``train_iters`` then evaluates the test split once (``test_iters``).
 
 Resuming is bit-exact: a checkpoint holds every rank's RNG states, the data position of both
 streams, the optimizer, loss scaler and LR schedule, and the open log window. If a peer dies or
@@ -15,6 +15,7 @@ freezes, the collective that fails names no rank; the heartbeat does, and the ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -28,8 +29,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron import checkpointing
-from megatron.config import Config, parse_args, to_yaml, validate
+from megatron.config import Config, to_yaml
+from megatron.config_checks import validate
+from megatron.config_load import parse_args
 from megatron.data.loader import build_loader
+from megatron.data.sidecar import check_data_tokenizer
+from megatron.data.splits import samples_per_split
 from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.logging import LogWindow, MetricsLogger, Workload, log, setup_logging
@@ -81,10 +86,19 @@ def main(
 ) -> int:
     """Entry point: parse, validate, train; a user mistake is one line on rank 0 and exit 2.
 
-    ``model_type`` ("gpt" or "bert") only tells the dry run which parameter count to report.
+    ``model_type`` ("gpt" or "bert") is this entrypoint's: a config whose ``model.type`` names
+    the other is refused, and the run's config (printed, saved) holds only this model's sections.
+    The dry run reports that model's parameter count.
     """
     try:
         cfg, args = parse_args(argv, description)
+        if cfg.model.type not in (None, model_type):
+            raise ConfigError(
+                f"model.type={cfg.model.type}: {', '.join(args.config)} is a {cfg.model.type} "
+                f"config and this entrypoint trains {model_type}; run pretrain_"
+                f"{cfg.model.type}.py with it, or give a {model_type} config"
+            )
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type=model_type))
         if args.dry_run:
             from megatron.dry_run import dry_run
 
@@ -160,9 +174,18 @@ def _train(
         derived.tp_size,
         derived.num_micro_batches,
     )
+    if cfg.precision.dtype == "fp16" and state.device.type == "cpu" and state.rank == 0:
+        # Where a CPU lacks fp16 kernels, fp16 was measured 50x slower than bf16 (issue 12);
+        # bf16 also needs no loss scaling.
+        log.warning(
+            "precision.dtype=fp16 on CPU can be up to ~50x slower than bf16 (CPUs without fp16 "
+            "kernels); use precision.dtype=bf16"
+        )
     tracker = RNGTracker(state.device)
     tracker.seed(cfg.training.seed, state.tp_rank)
     tokenizer = build_tokenizer(**asdict(cfg.tokenizer))
+    if state.rank == 0:  # one line when the data's sidecar names another tokenizer
+        check_data_tokenizer(cfg.tokenizer, cfg.data, log.warning, tokenizer)
     padded_vocab = derived.padded_vocab_size(tokenizer.vocab_size)
     model = model_provider(cfg, tokenizer.vocab_size, padded_vocab, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
@@ -173,8 +196,15 @@ def _train(
     schedule = LRSchedule.from_config(cfg.optimizer)
 
     progress = Progress()
-    load_dir = _resume_dir(cfg)
+    load_dir, weights_only = _resume_source(cfg)
     if load_dir is not None:
+        if cfg.checkpoint.finetune and not weights_only:
+            log.info(
+                "checkpoint.save=%s holds this fine-tune's own checkpoint: resuming it in full, "
+                "not the pretrained weights of checkpoint.load=%s",
+                load_dir,
+                cfg.checkpoint.load,
+            )
         saved = checkpointing.load_checkpoint(
             load_dir,
             model,
@@ -183,13 +213,22 @@ def _train(
             tracker,
             state,
             tokenizer.vocab_size,
-            finetune=cfg.checkpoint.finetune,
+            finetune=weights_only,
         )
         if saved is not None:
             progress = Progress.restore(saved)
-        log.info("resumed from %s at iteration %d", load_dir, progress.iteration)
+        how = "fine-tuning the weights of" if weights_only else "resumed from"
+        log.info("%s %s at iteration %d", how, load_dir, progress.iteration)
+    if progress.iteration >= cfg.training.train_iters:
+        log.info(
+            "already at iteration %d >= training.train_iters=%d; nothing to do; raise "
+            "train_iters to continue",
+            progress.iteration,
+            cfg.training.train_iters,
+        )
+        return 0
     optimizer.set_lr(schedule.lr)
-    train_iter, valid_iter = _data(cfg, state, datasets_provider, tokenizer, progress)
+    train_iter, valid_iter, test_iter = _data(cfg, state, datasets_provider, tokenizer, progress)
 
     work = Workload.of(cfg, padded_vocab, state.world_size, state.device)
     metrics = MetricsLogger(
@@ -210,20 +249,26 @@ def _train(
         tokenizer.vocab_size,
     )
     try:
-        return loop.run(train_iter, valid_iter, policy)
+        return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
         metrics.close()
 
 
-def _resume_dir(cfg: Config) -> str | None:
-    """checkpoint.load if set (it must hold a checkpoint), else checkpoint.save once it has one."""
-    ckpt = cfg.checkpoint
-    if ckpt.load:
-        return ckpt.load
-    if not ckpt.save or not os.path.isdir(ckpt.save):
-        return None
-    found = checkpointing.find_latest(ckpt.save) is not None or checkpointing.iterations(ckpt.save)
-    return ckpt.save if found else None
+def _resume_source(cfg: Config) -> tuple[str | None, bool]:
+    """(the checkpoint directory to load, whether to load its weights only); (None, False): none.
+
+    checkpoint.save once it holds a checkpoint, unless checkpoint.load names another run to
+    resume; in a fine-tune always, since its checkpoints are this run's own, newer than the
+    pretrained weights. Else checkpoint.load (which must hold a checkpoint): in full, or its
+    weights only with checkpoint.finetune.
+    """
+    ckpt, own = cfg.checkpoint, False
+    if ckpt.save and os.path.isdir(ckpt.save):
+        own = checkpointing.find_latest(ckpt.save) is not None
+        own = own or bool(checkpointing.iterations(ckpt.save))
+    if own and (ckpt.finetune or not ckpt.load):
+        return ckpt.save, False
+    return ckpt.load, ckpt.finetune
 
 
 def _data(
@@ -232,13 +277,11 @@ def _data(
     datasets_provider: DatasetsProvider,
     tokenizer: Tokenizer,
     progress: Progress,
-) -> tuple[Iterator[Batch], Iterator[Batch] | None]:
-    """The train and validation streams, each from where ``progress`` says it stopped."""
+) -> tuple[Iterator[Batch], Iterator[Batch] | None, Iterator[Batch] | None]:
+    """The train and validation streams, each from where ``progress`` says it stopped, and the
+    test stream (from its start; built only with training.test_iters)."""
     t = cfg.training
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
-    # The test split is held out: nothing here trains or evaluates on it, so none is built.
-    num_samples = (t.train_iters * t.global_batch_size, evals * t.global_batch_size, 0)
-    train_ds, valid_ds, _ = datasets_provider(cfg, tokenizer, num_samples)
+    train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, samples_per_split(t))
 
     def stream(ds: Any, consumed: int) -> Iterator[Batch]:
         return build_loader(
@@ -254,7 +297,8 @@ def _data(
 
     train_iter = stream(train_ds, progress.consumed_train_samples)
     valid_iter = stream(valid_ds, progress.consumed_valid_samples) if valid_ds else None
-    return train_iter, valid_iter
+    test_iter = stream(test_ds, 0) if test_ds else None
+    return train_iter, valid_iter, test_iter
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:
@@ -296,23 +340,22 @@ class _Loop:
         return result, {k: v / self.num_micro for k, v in sums.items()}
 
     @torch.no_grad()
-    def evaluate(self, valid_iter: Iterator[Batch]) -> dict[str, float]:
-        """``eval_iters`` steps of validation, averaged over them and DP (one all-reduce)."""
+    def evaluate(self, data: Iterator[Batch], iters: int) -> dict[str, float]:
+        """``iters`` steps of evaluation on ``data``, averaged over them and DP (one
+        all-reduce)."""
         self.model.eval()
         sums: dict[str, Tensor] = {}
-        t = self.cfg.training
-        for _ in range(t.eval_iters * self.num_micro):
-            batch = _to_device(next(valid_iter), self.state.device)
+        for _ in range(iters * self.num_micro):
+            batch = _to_device(next(data), self.state.device)
             for name, value in self.forward_step(self.model, batch)[1].items():
                 sums[name] = sums.get(name, 0.0) + value.float()
         self.model.train()
-        self.progress.consumed_valid_samples += t.eval_iters * t.global_batch_size
         if not sums:
             return {}
         stacked = torch.stack(list(sums.values()))
         if self.state.dp_size > 1:
             dist.all_reduce(stacked, group=self.state.dp_group)
-        count = t.eval_iters * self.num_micro * self.state.dp_size
+        count = iters * self.num_micro * self.state.dp_size
         return dict(zip(sums, (stacked / count).tolist()))
 
     def save(self) -> None:
@@ -335,9 +378,11 @@ class _Loop:
         self,
         train_iter: Iterator[Batch],
         valid_iter: Iterator[Batch] | None,
+        test_iter: Iterator[Batch] | None,
         policy: ExitPolicy,
     ) -> int:
-        """Iterate until train_iters or an agreed exit; the exit code."""
+        """Iterate until train_iters or an agreed exit; the exit code. Reaching train_iters,
+        the test split is evaluated once (training.test_iters batches)."""
         cfg, p, t = self.cfg, self.progress, self.cfg.training
         self.model.train()
         while p.iteration < t.train_iters:
@@ -357,7 +402,8 @@ class _Loop:
                 p.nan_iters += nan
             evaluated = None
             if valid_iter is not None and t.eval_iters and p.iteration % t.eval_interval == 0:
-                evaluated = self.evaluate(valid_iter)
+                evaluated = self.evaluate(valid_iter, t.eval_iters)
+                p.consumed_valid_samples += t.eval_iters * t.global_batch_size
             # After the evaluation, so that a signal that came during it is seen now.
             means, stop = policy.agree(p.iteration, values, self.state)
             p.window.add(means, seconds, not result.updated, nan)
@@ -390,4 +436,7 @@ class _Loop:
             if stop:
                 log.info("exiting at iteration %d (%s)", p.iteration, stop)
                 return 0
+        if test_iter is not None:
+            tested = self.evaluate(test_iter, t.test_iters)
+            self.metrics.validation(p.iteration, p.consumed_train_samples, tested, "test")
         return 0

@@ -7,7 +7,9 @@
 #   NPROC=2 scripts/run_single_node.sh configs/gpt_tiny.yaml        # CPU: two gloo processes
 #   ENTRYPOINT=pretrain_bert.py scripts/run_single_node.sh configs/bert_336m.yaml
 #
-#   NPROC       processes (default: gpu, one per visible GPU; set a number on a CPU machine)
+#   NPROC       processes (default: one per visible GPU, from CUDA_VISIBLE_DEVICES or
+#               nvidia-smi -L; without GPUs, gloo processes on the CPU: the largest power of two
+#               up to the CPU count and 8, since the shipped TP and batch sizes are powers of two)
 #   ENTRYPOINT  pretrain_gpt.py (default) or pretrain_bert.py
 #   LOG_DIR     where torchrun tees every rank's stdout/stderr (default: logs/torchrun)
 #   PYTHON      interpreter with the requirements installed (default: python)
@@ -24,11 +26,37 @@ if (($# < 1)); then
 fi
 CONFIG=$1
 shift
-NPROC=${NPROC:-gpu}
 ENTRYPOINT=${ENTRYPOINT:-pretrain_gpt.py}
 LOG_DIR=${LOG_DIR:-logs/torchrun}
 PYTHON=${PYTHON:-python}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-280}
+
+# torchrun's own default (--nproc-per-node=gpu) dies with a traceback on a machine without CUDA.
+if [[ -z ${NPROC:-} ]]; then
+    if [[ -v CUDA_VISIBLE_DEVICES ]]; then
+        IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+        gpus=0
+        # CUDA stops at the first invalid entry: "-1" (or "") hides every GPU.
+        for device in "${visible[@]}"; do
+            [[ $device == -* ]] && break
+            gpus=$((gpus + 1))
+        done
+        seen_by="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+    else
+        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+        seen_by="nvidia-smi -L"
+    fi
+    if ((gpus > 0)); then
+        NPROC=$gpus
+        echo "== NPROC=$NPROC: one process per visible GPU ($seen_by)"
+    else
+        cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # nproc obeys them, not the CPUs
+        NPROC=1
+        while ((NPROC * 2 <= cpus && NPROC * 2 <= 8)); do NPROC=$((NPROC * 2)); done
+        echo "== NPROC=$NPROC: no GPU visible ($seen_by), CPU processes on gloo (the largest" \
+            "power of two <= min($cpus CPUs, 8)); set NPROC to choose"
+    fi
+fi
 
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC"
     --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --shutdown-timeout="$SHUTDOWN_TIMEOUT"

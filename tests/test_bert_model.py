@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.config import load_config, padded_vocab_size
+from megatron.config import padded_vocab_size
+from megatron.config_load import load_config
 from megatron.data.bert_dataset import masked_count
 from megatron.estimate import count_parameters, estimate_memory
 from megatron.models.bert import BertModel

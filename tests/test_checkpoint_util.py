@@ -6,6 +6,7 @@ its logits within 1e-6 relative (float reduction order of the split matmuls).
 """
 
 import os
+import re
 import shutil
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from megatron.checkpoint_reshard import read_meta, shard_file, verify_checkpoint
 from megatron.checkpointing import find_latest, load_checkpoint, save_checkpoint
+from megatron.errors import ConfigError
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, gathered, logits, same, tiny_config, train
@@ -77,7 +79,7 @@ def test_merge_and_reshard_round_trip_exactly(tp2, tmp_path, capsys):
     assert same(tensors(again, 1), tensors(merged, 1))
 
     capsys.readouterr()
-    assert main(["--input", str(src), "--summary"]) == 0
+    assert main(["--input", str(src), "--summary", "--tensors"]) == 0
     out = capsys.readouterr().out
     for text in ("iteration   2", "TP=2 x DP=1", "vocab       100 (padded 256)", "checksums   ok"):
         assert text in out
@@ -86,6 +88,53 @@ def test_merge_and_reshard_round_trip_exactly(tp2, tmp_path, capsys):
     state, out_logits = run_distributed(_load, 1, cfg, str(merged))[0]
     assert same(state, ref_state)
     close(out_logits, ref_logits, 1e-6)
+
+
+def _group_rows(out: str) -> dict[str, list[str]]:
+    """The summary's group table: group name -> its tensors, elements, bytes (and layers)."""
+    table = [re.split(r"\s{2,}", row.strip()) for row in out.split("  group ", 1)[1].splitlines()]
+    return {cells[0]: cells[1:] for cells in table[1:]}
+
+
+@pytest.mark.slow
+def test_summary_is_per_group_and_weights_only_merge_drops_the_optimizer(tp2, tmp_path, capsys):
+    src, cfg, ref_state, _ = tp2
+    layout = read_meta(str(src / ITER))["tensors"]
+    capsys.readouterr()
+    assert main(["--input", str(src), "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 25 and "model/" not in out and "optim/" not in out
+    rows = _group_rows(out)
+    assert rows["embedding.word"] == ["1", "8,192", "32,768"]  # [256, 32] fp32
+    attention = [k for k in layout if k.startswith("model/") and ".attention." in k]
+    assert rows["transformer.layers.*.attention"][0] == str(len(attention))
+    assert rows["transformer.layers.*.attention"][-1] == "over 2 layers"
+    assert {"optimizer exp_avg", "optimizer exp_avg_sq", "optimizer step"} <= rows.keys()
+    assert sum(int(r[0]) for r in rows.values()) == len(layout)
+
+    merged = tmp_path / "weights"
+    argv = ["--input", str(src), "--output", str(merged), "--merge", "--weights-only"]
+    assert main(argv) == 0
+    assert "checkpoint.finetune=true" in capsys.readouterr().out
+    meta = read_meta(str(merged / ITER))
+    assert meta["weights_only"] and meta["tp_size"] == 1
+    assert verify_checkpoint(str(merged / ITER)) is None
+    assert all(k.startswith("model/") for k in meta["tensors"])
+    assert sorted(load_file(str(merged / ITER / shard_file(0)))) == sorted(meta["tensors"])
+    assert main(["--input", str(merged), "--summary"]) == 0
+    assert "0 optimizer tensors (weights only)" in capsys.readouterr().out
+    weights = run_distributed(_load_weights, 1, cfg, str(merged))[0]
+    assert same(weights, {k: v for k, v in ref_state.items() if k.startswith("model")})
+
+
+def _load_weights(cfg, save_dir):
+    """A fine-tune's load (weights only), then the full resume that must refuse the file."""
+    st = initialize(1)
+    model, optimizer, schedule, tracker = build(cfg, st, seed=77)
+    load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB, finetune=True)
+    with pytest.raises(ConfigError, match="holds weights only, no optimizer state"):
+        load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+    return {k: v for k, v in gathered(model, optimizer, st).items() if k.startswith("model")}
 
 
 @pytest.mark.slow
@@ -112,3 +161,5 @@ def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
         assert message in err and err.count("\n") == 1, (argv, err)
     with pytest.raises(SystemExit):
         main(["--input", str(src)])
+    with pytest.raises(SystemExit):
+        main(["--input", str(src), "--summary", "--weights-only"])

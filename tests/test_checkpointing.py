@@ -21,7 +21,8 @@ from megatron.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron.config import Config, load_config, padded_vocab_size
+from megatron.config import Config, padded_vocab_size
+from megatron.config_load import load_config
 from megatron.errors import ConfigError
 from megatron.models.gpt import GPTModel
 from megatron.optim.lr_schedule import LRSchedule

@@ -14,15 +14,14 @@ import torch.distributed as dist
 from megatron.config import (
     Config,
     config_reference,
-    load_config,
     padded_vocab_size,
-    parse_args,
     split_fractions,
     to_dict,
     to_yaml,
-    validate,
     weighted_paths,
 )
+from megatron.config_checks import validate
+from megatron.config_load import load_config, parse_args
 from megatron.data.indexed_dataset import IndexedDatasetWriter
 from megatron.errors import ConfigError
 
@@ -132,6 +131,17 @@ def test_resolved_defaults():
     validate(cfg, 2, check_files=False)
 
 
+def test_a_config_of_one_model_holds_only_its_sections(tmp_path):
+    assert tiny().model.type == "gpt"
+    assert load_config([os.path.join(ROOT, "configs", "bert_tiny.yaml")]).model.type == "bert"
+    assert "bert" not in to_dict(tiny()) and "bert:" not in to_yaml(tiny())
+    bert = tiny("model.type=bert", "bert.max_ngram=2")
+    assert to_dict(bert)["bert"]["max_ngram"] == 2
+    assert "bert" in to_dict(tiny("model.type=null"))
+    assert load_config([write(tmp_path, "bert.yaml", to_yaml(bert))]) == bert
+    assert "Literal" in error_of(tiny, "model.type=t5")
+
+
 def test_yaml_round_trip(tmp_path):
     cfg = tiny("optimizer.lr=3e-4", "data.paths=[0.5, a, 0.5, b]")
     again = load_config([write(tmp_path, "resolved.yaml", to_yaml(cfg))])
@@ -226,6 +236,13 @@ def test_required_key_and_invalid_yaml(tmp_path):
         (["model.hidden_dropout=1.5"], 2, "model.hidden_dropout=1.5 must be in [0, 1)"),
         (["optimizer.min_lr=1.0"], 2, "must not exceed optimizer.lr=0.001"),
         (["checkpoint.finetune=true"], 2, "checkpoint.finetune=true needs checkpoint.load"),
+        (
+            ["checkpoint.finetune=true", "checkpoint.load=runs/pre", "checkpoint.save=runs/pre/"],
+            2,
+            "checkpoint.finetune=true saves into checkpoint.load=runs/pre, the pretrained "
+            "checkpoint; set checkpoint.save to a directory of its own",
+        ),
+        (["training.test_iters=-1"], 2, "training.test_iters=-1 must be zero or positive"),
         (["tokenizer.type=gpt2"], 2, "tokenizer.type=gpt2 needs tokenizer.vocab_file; set it"),
         (["data.split=1,2,3,4"], 2, "data.split='1,2,3,4' must be 1-3 non-negative numbers"),
         (["data.paths=[0.5, a, b]"], 2, "mixes prefixes and weights"),

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.config import load_config, padded_vocab_size, parse_args
+from megatron.config import padded_vocab_size
+from megatron.config_load import load_config, parse_args
 from megatron.data.hdf5_dataset import write_shard
 from megatron.data.indexed_dataset import IndexedDatasetWriter, data_path
 from megatron.dry_run import check_indexed, dry_run
@@ -276,6 +277,9 @@ def test_dry_run_checks_hdf5_shards(tmp_path):
     }  # fmt: skip
     write_shard(str(tmp_path / "a.hdf5"), [sample] * n, max_predictions=4)
     overrides = ["data.format=hdf5", f"data.paths=[{tmp_path}]", "model.seq_length=16"]
+    # A run the 3 rows can feed: the dry run also checks each split's sample count.
+    overrides += ["training.train_iters=1", "optimizer.lr_warmup_iters=0", "training.eval_iters=0",
+                  "training.micro_batch_size=1", "training.global_batch_size=2"]  # fmt: skip
     cfg = load_config(["configs/gpt_tiny.yaml"], [f"tokenizer.model={SP_MODEL}", *overrides])
     out = io.StringIO()
     assert dry_run(cfg, argparse.Namespace(world_size=2, gpu_memory_gb=None), "bert", out) == 0

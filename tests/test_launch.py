@@ -270,3 +270,53 @@ def test_first_slurm_host(scontrol, tmp_path, monkeypatch):
     calls = log.read_text().splitlines() if log.exists() else []
     assert calls == ([f"show hostnames {nodes}" for nodes in NODELISTS] if scontrol != "absent"
                      else [])  # fmt: skip
+
+
+SINGLE_NODE = ROOT / "scripts" / "run_single_node.sh"
+# Stands in for python: records the launcher's command line, runs nothing.
+RECORD = '#!/bin/bash\nprintf \'%s\\0\' "$@" > "$RECORD_TO"\n'
+
+
+def _single_node(tmp_path: Path, gpus: int | None, visible: str | None) -> tuple[str, list[str]]:
+    """run_single_node.sh without NPROC, on a machine whose nvidia-smi lists ``gpus`` GPUs (None:
+    no nvidia-smi at all): (what it printed, the torchrun arguments it chose)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python-record").write_text(RECORD)
+    (bin_dir / "nvidia-smi").unlink(missing_ok=True)
+    if gpus is not None:
+        listing = "".join(f"GPU {i}: NVIDIA H100 (UUID: GPU-{i})\\n" for i in range(gpus))
+        (bin_dir / "nvidia-smi").write_text(f'#!/bin/bash\n[[ $1 == -L ]] && printf "{listing}"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", PYTHON=str(bin_dir / "python-record"),
+               RECORD_TO=str(tmp_path / "args"))  # fmt: skip
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = subprocess.run(
+        ["bash", str(SINGLE_NODE), CONFIG], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout, (tmp_path / "args").read_text().split("\0")[:-1]
+
+
+def test_single_node_picks_nproc_from_the_visible_gpus_or_the_cpus(tmp_path):
+    out, args = _single_node(tmp_path, gpus=4, visible=None)
+    assert "--nproc-per-node=4" in args
+    assert "== NPROC=4: one process per visible GPU (nvidia-smi -L)" in out
+    out, args = _single_node(tmp_path, gpus=4, visible="1,3")
+    assert "--nproc-per-node=2" in args and "(CUDA_VISIBLE_DEVICES=1,3)" in out
+    cpus = len(os.sched_getaffinity(0))
+    on_cpu = 1 << (min(cpus, 8).bit_length() - 1)  # the largest power of two <= min(cpus, 8)
+    for gpus, visible in ((None, None), (0, None), (4, "-1"), (4, "")):
+        out, args = _single_node(tmp_path, gpus, visible)
+        assert f"--nproc-per-node={on_cpu}" in args, (gpus, visible, args)
+        assert f"== NPROC={on_cpu}: no GPU visible" in out and "set NPROC to choose" in out
+
+
+def test_single_node_logs_are_ignored_by_git():
+    """scripts/run_single_node.sh tees into logs/ of the repository (LOG_DIR's default)."""
+    ignored = subprocess.run(["git", "check-ignore", "-q", "logs/torchrun/0/stdout.log"], cwd=ROOT)
+    assert ignored.returncode == 0

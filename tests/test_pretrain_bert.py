@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_bert
-from megatron.config import load_config
+from megatron.config_load import load_config
 from megatron.data.hdf5_dataset import write_shard
 from megatron.errors import ConfigError
 from tests.gpt_run import _tool, read_metrics, run_pretrain, tiny_overrides

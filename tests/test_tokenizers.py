@@ -6,27 +6,36 @@ import json
 import os
 import random
 import shutil
+from typing import get_args, get_type_hints
 
 import numpy as np
 import pytest
 
+from megatron.config import TOKENIZER_FILES, TokenizerConfig
 from megatron.data.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
+from megatron.data.null_tokenizer import NullTokenizer
+from megatron.data.sp_tokenizer import SentencePieceTokenizer
+from megatron.data.tiktokenizer import TikTokenizer
 from megatron.data.tokenizers import (
     TOKENIZER_TYPES,
     HFTokenizer,
-    SentencePieceTokenizer,
     WordPieceTokenizer,
     build_tokenizer,
 )
 from megatron.errors import ConfigError
+from tests.fixtures import (
+    BERT_VOCAB,
+    GPT2_MERGES,
+    GPT2_VOCAB,
+    HF_JSON,
+    SP_BPE,
+    SP_UNIGRAM,
+    TIKTOKEN_VOCAB,
+)
 from tests.fixtures.make_tokenizer_fixtures import synthetic_documents
 from tools.make_sample_corpus import documents
 from tools.train_tokenizer import main as train_main
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tokenizers")
-VOCAB_JSON = os.path.join(FIXTURES, "gpt2-vocab.json")
-MERGES = os.path.join(FIXTURES, "gpt2-merges.txt")
-BERT_VOCAB = os.path.join(FIXTURES, "bert-vocab.txt")
 EDGE_CASES = [
     "",
     " ",
@@ -55,7 +64,7 @@ TEXTS = synthetic_documents(150, seed=11) + EDGE_CASES + _stdlib_texts()
 
 
 def _gpt2() -> GPT2BPETokenizer:
-    return build_tokenizer("gpt2", vocab_file=VOCAB_JSON, merges_file=MERGES)
+    return build_tokenizer("gpt2", vocab_file=GPT2_VOCAB, merges_file=GPT2_MERGES)
 
 
 def _hf_reference(vocab_file: str, merges_file: str):
@@ -69,13 +78,9 @@ def _hf_reference(vocab_file: str, merges_file: str):
 
 BUILDERS = {
     "gpt2": _gpt2,
-    "sentencepiece-bpe": lambda: build_tokenizer(
-        "sentencepiece", model=os.path.join(FIXTURES, "sp-bpe.model")
-    ),
-    "sentencepiece-unigram": lambda: build_tokenizer(
-        "sentencepiece", model=os.path.join(FIXTURES, "sp-unigram.model")
-    ),
-    "hf": lambda: build_tokenizer("hf", model=os.path.join(FIXTURES, "hf-tokenizer.json")),
+    "sentencepiece-bpe": lambda: build_tokenizer("sentencepiece", model=SP_BPE),
+    "sentencepiece-unigram": lambda: build_tokenizer("sentencepiece", model=SP_UNIGRAM),
+    "hf": lambda: build_tokenizer("hf", model=HF_JSON),
 }
 
 
@@ -132,7 +137,7 @@ def test_wordpiece_has_no_unknown_pieces_on_its_training_distribution():
 
 def test_gpt2_ids_equal_hf_tokenizers():
     """tiktoken (our GPT-2 path) and HF tokenizers agree on every id."""
-    tok, ref = _gpt2(), _hf_reference(VOCAB_JSON, MERGES)
+    tok, ref = _gpt2(), _hf_reference(GPT2_VOCAB, GPT2_MERGES)
     assert tok._rank_to_id is None  # GPT-2 layout: ids are tiktoken's ranks
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids, text[:80]
@@ -140,15 +145,15 @@ def test_gpt2_ids_equal_hf_tokenizers():
 
 def test_gpt2_ids_equal_hf_with_shuffled_ids(tmp_path):
     """Ids that do not follow merge order go through tiktoken's ranks and a lookup table."""
-    with open(VOCAB_JSON, encoding="utf-8") as f:
+    with open(GPT2_VOCAB, encoding="utf-8") as f:
         vocab = json.load(f)
     tokens = list(vocab)
     ids = list(range(len(tokens)))
     random.Random(0).shuffle(ids)
     shuffled = tmp_path / "vocab.json"
     shuffled.write_text(json.dumps(dict(zip(tokens, ids))), encoding="utf-8")
-    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(shuffled), merges_file=MERGES)
-    ref = _hf_reference(str(shuffled), MERGES)
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(shuffled), merges_file=GPT2_MERGES)
+    ref = _hf_reference(str(shuffled), GPT2_MERGES)
     assert tok._rank_to_id is not None
     assert tok.eod == dict(zip(tokens, ids))[GPT2_EOD]
     for text in TEXTS:
@@ -161,13 +166,13 @@ def test_gpt2_ids_equal_hf_with_shuffled_ids(tmp_path):
 
 
 def test_gpt2_batch_on_threads_matches():
-    tok = build_tokenizer("gpt2", vocab_file=VOCAB_JSON, merges_file=MERGES, num_threads=2)
+    tok = build_tokenizer("gpt2", vocab_file=GPT2_VOCAB, merges_file=GPT2_MERGES, num_threads=2)
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
 
 
 def test_special_tokens():
     gpt2 = _gpt2()
-    with open(VOCAB_JSON, encoding="utf-8") as f:
+    with open(GPT2_VOCAB, encoding="utf-8") as f:
         assert gpt2.eod == json.load(f)[GPT2_EOD] == gpt2.vocab_size - 1
     assert gpt2.eod not in gpt2.encode("a <|endoftext|> b")
     assert gpt2.decode([gpt2.eod]) == GPT2_EOD
@@ -187,8 +192,8 @@ def test_special_tokens():
 
 
 def test_hf_special_tokens_from_tokenizer_config(tmp_path):
-    shutil.copy(os.path.join(FIXTURES, "hf-tokenizer.json"), tmp_path / "tokenizer.json")
-    with open(VOCAB_JSON, encoding="utf-8") as f:
+    shutil.copy(HF_JSON, tmp_path / "tokenizer.json")
+    with open(GPT2_VOCAB, encoding="utf-8") as f:
         vocab = json.load(f)
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": {"content": "ing"}, "pad_token": "al"}), encoding="utf-8"
@@ -214,21 +219,68 @@ def test_megatron_aliases():
         "sentencepiece": SentencePieceTokenizer,
         "wordpiece": WordPieceTokenizer,
         "hf": HFTokenizer,
+        "tiktoken": TikTokenizer,
+        "null": NullTokenizer,
     }
-    files = dict(
-        vocab_file=VOCAB_JSON, merges_file=MERGES, model=os.path.join(FIXTURES, "sp-bpe.model")
-    )
+    files = {
+        "gpt2": dict(vocab_file=GPT2_VOCAB, merges_file=GPT2_MERGES),
+        "sentencepiece": dict(model=SP_BPE),
+        "wordpiece": dict(vocab_file=BERT_VOCAB),
+        "hf": dict(model=HF_JSON),
+        "tiktoken": dict(model=TIKTOKEN_VOCAB, vocab_size=2024),
+        "null": dict(vocab_size=100),
+    }
+    assert set(kinds) == set(TOKENIZER_TYPES.values())
     for alias, kind in TOKENIZER_TYPES.items():
-        if kind == "wordpiece":
-            tok = build_tokenizer(alias, vocab_file=BERT_VOCAB)
-            assert tok.lower_case == (alias == "BertWordPieceLowerCase")
-        elif kind == "hf":
-            tok = build_tokenizer(alias, model=os.path.join(FIXTURES, "hf-tokenizer.json"))
-        else:
-            tok = build_tokenizer(alias, **files)
+        tok = build_tokenizer(alias, **files[kind])
         assert isinstance(tok, kinds[kind])
+        if kind == "wordpiece":
+            assert tok.lower_case == (alias == "BertWordPieceLowerCase")
     with pytest.raises(ConfigError, match="contradicts tokenizer.type=BertWordPieceCase"):
         build_tokenizer("BertWordPieceCase", vocab_file=BERT_VOCAB, lower_case=True)
+
+
+def test_config_types_are_the_tokenizer_types():
+    """The config schema, its file table and the builder list the same type names."""
+    hint = get_type_hints(TokenizerConfig)["type"]
+    assert set(get_args(hint)) == set(TOKENIZER_FILES) == set(TOKENIZER_TYPES)
+
+
+def test_extra_ids_and_special_tokens_take_the_next_ids():
+    """Megatron's extra ids and special tokens: new ones after the vocabulary, in order; spelled
+    in the text they encode as one id."""
+    wp = build_tokenizer("BertWordPieceLowerCase", vocab_file=BERT_VOCAB, vocab_extra_ids=2)
+    size = len(open(BERT_VOCAB, encoding="utf-8").read().splitlines())
+    assert wp.vocab_size == size + 2
+    assert wp.encode("Ka <extra_id_1> ri")[1] == size + 1
+    assert wp.id_to_token(size) == "<extra_id_0>"
+    cased = build_tokenizer("BertWordPieceCase", vocab_file=BERT_VOCAB)
+    assert cased.vocab_size == size + 100  # megatron-core's 100 sentinels for this type
+    assert build_tokenizer("wordpiece", vocab_file=BERT_VOCAB).vocab_size == size
+    sp = build_tokenizer("SentencePieceTokenizer", model=SP_BPE, vocab_extra_ids=3)
+    assert (sp.vocab_size, sp.eod) == (1003, 3)
+    ids = sp.encode("ka<extra_id_2>ri")
+    assert 1002 in ids and sp.decode(ids) == "ka <extra_id_2> ri"
+    hf = build_tokenizer("hf", model=HF_JSON, special_tokens=["<x>"], vocab_extra_ids=1)
+    assert hf.vocab_size == 1027 and hf.encode("a<x>b")[1] == 1025
+    assert hf.options == {"special_tokens": ["<x>", "<extra_id_0>"]}
+
+
+def test_tiktokenizer_and_null_tokenizer():
+    tik = build_tokenizer("TikTokenizer", model=TIKTOKEN_VOCAB, vocab_size=2024)
+    assert (tik.vocab_size, tik.eod, tik.pad) == (2024, 2, 4)
+    for text in TEXTS:
+        ids = tik.encode(text)
+        assert all(1000 <= i < 2024 for i in ids) or "<" in text
+        assert tik.decode(ids) == text
+    assert tik.encode("x</s>") == [*tik.encode("x"), 2]
+    null = build_tokenizer("NullTokenizer", vocab_size=10)
+    assert (null.vocab_size, null.eod, null.pad) == (11, 10, None)
+    assert null.encode("3 1 4") == [3, 1, 4] and null.decode([3, 1]) == "3 1"
+    assert null.bad_text("3 1 4") is None
+    assert "not an integer id: 'x'" in null.bad_text("3 x")
+    assert "id 11 is outside [0, 11)" in null.bad_text("11")
+    assert "not an integer" in null.bad_text("1  2")  # a double space, as int('') fails there
 
 
 def _one_line_error(match: str, **kwargs) -> str:
@@ -244,25 +296,25 @@ def test_config_errors(tmp_path):
     garbage.write_bytes(b"\x00\x01 not a model")
     missing = str(tmp_path / "nope.json")
     _one_line_error("tokenizer.type=bogus is unknown", type="bogus")
-    _one_line_error("tokenizer.vocab_file .* is not set", type="gpt2", merges_file=MERGES)
+    _one_line_error("tokenizer.vocab_file .* is not set", type="gpt2", merges_file=GPT2_MERGES)
     msg = _one_line_error(
         "tokenizer.vocab_file=.*nope.json: file not found",
         type="gpt2",
         vocab_file=missing,
-        merges_file=MERGES,
+        merges_file=GPT2_MERGES,
     )
     assert "--vocab-file" in msg
     _one_line_error(
         "tokenizer.merges_file=.*nope.json: file not found",
         type="gpt2",
-        vocab_file=VOCAB_JSON,
+        vocab_file=GPT2_VOCAB,
         merges_file=missing,
     )
     _one_line_error(
         "tokenizer.vocab_file=.*garbage: not a JSON vocabulary",
         type="gpt2",
         vocab_file=str(garbage),
-        merges_file=MERGES,
+        merges_file=GPT2_MERGES,
     )
     _one_line_error(
         "tokenizer.model=.*garbage: not a sentencepiece model",
@@ -284,17 +336,47 @@ def test_config_errors(tmp_path):
     _one_line_error(
         "merges.txt:3: token 'zz' is not in",
         type="gpt2",
-        vocab_file=VOCAB_JSON,
+        vocab_file=GPT2_VOCAB,
         merges_file=str(bad_merges),
     )
-    with open(VOCAB_JSON, encoding="utf-8") as f:
+    with open(GPT2_VOCAB, encoding="utf-8") as f:
         vocab = json.load(f)
     del vocab[GPT2_EOD]
     no_eod = tmp_path / "vocab.json"
     no_eod.write_text(json.dumps(vocab), encoding="utf-8")
     _one_line_error(
-        "no <\\|endoftext\\|> token", type="gpt2", vocab_file=str(no_eod), merges_file=MERGES
+        "no <\\|endoftext\\|> token", type="gpt2", vocab_file=str(no_eod), merges_file=GPT2_MERGES
     )
+
+
+def test_options_a_type_does_not_read_are_refused(tmp_path):
+    """Each in one line naming the key and its preprocess_data.py flag."""
+    gpt2 = dict(type="gpt2", vocab_file=GPT2_VOCAB, merges_file=GPT2_MERGES)
+    msg = _one_line_error(
+        "tokenizer.vocab_size \\(--vocab-size\\) does not apply", **gpt2, vocab_size=5
+    )
+    assert "tiktoken, null" in msg
+    _one_line_error("--vocab-extra-ids", **gpt2, vocab_extra_ids=2)
+    _one_line_error("--tiktoken-pattern", **gpt2, tiktoken_pattern="v1")
+    _one_line_error("--lower-case", type="sentencepiece", model=SP_BPE, lower_case=True)
+    _one_line_error(
+        "needs tokenizer.sentencepiece_legacy", type="sentencepiece", model=SP_BPE,
+        special_tokens=["<x>"],
+    )  # fmt: skip
+    _one_line_error(
+        "megatron-core drops them", type="BertWordPieceCase", vocab_file=BERT_VOCAB,
+        special_tokens=["<x>"],
+    )  # fmt: skip
+    _one_line_error(
+        "needs 130072 ranks .* set it to 2024", type="TikTokenizer", model=TIKTOKEN_VOCAB
+    )
+    _one_line_error(
+        "must be distinct and include", type="TikTokenizer", model=TIKTOKEN_VOCAB, vocab_size=2024,
+        special_tokens=["<unk>"],
+    )  # fmt: skip
+    _one_line_error("reads a tiktoken vocabulary .json", type="TikTokenizer", model=SP_BPE)
+    _one_line_error("NullTokenizer needs the number of ids", type="NullTokenizer")
+    _one_line_error("MultimodalTokenizer is not supported here", type="MultimodalTokenizer")
 
 
 def _train(tmp_path, kind: str) -> str:

@@ -1,15 +1,20 @@
 """Inspect a checkpoint, or convert it offline to another TP size or into one unsharded file.
 
-    python tools/checkpoint_util.py --input runs/gpt/checkpoints --summary
+    python tools/checkpoint_util.py --input runs/gpt/checkpoints --summary [--tensors]
     python tools/checkpoint_util.py --input runs/gpt/checkpoints --output runs/gpt/tp4 --target-tp 4
-    python tools/checkpoint_util.py --input runs/gpt/checkpoints --output runs/gpt/merged --merge
+    python tools/checkpoint_util.py --input runs/gpt/checkpoints --output runs/gpt/merged --merge \
+        [--weights-only]
 
 ``--input`` is a save directory (the checkpoint its ``latest`` names, or ``--iteration N``) or one
-``iter_*`` directory. ``--output`` becomes a save directory holding one complete checkpoint
-(meta.json with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size;
-``--merge`` is ``--target-tp 1``: a single tensor file. Model weights and optimizer state are
-converted exactly; RNG states belong to the old world, so a run resuming from the output reseeds
-them from (seed, iteration), with a warning.
+``iter_*`` directory. ``--summary`` counts tensors, elements and bytes per group (the embedding,
+each kind of sublayer over all layers, each kind of optimizer state); ``--tensors`` lists every
+tensor instead. ``--output`` becomes a save directory holding one complete checkpoint (meta.json
+with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size; ``--merge``
+is ``--target-tp 1``: a single tensor file. Model weights and optimizer state are converted
+exactly; RNG states belong to the old world, so a run resuming from the output reseeds them from
+(seed, iteration), with a warning. ``--weights-only`` drops the optimizer state (meta.json says
+``weights_only``): the output is a starting point for ``checkpoint.finetune=true`` and for
+inference and export (tools/generate.py, tools/export_hf.py), and a full resume refuses it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import secrets
 import sys
 
@@ -48,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_argument("--target-tp", type=int, help="reshard to this tensor-parallel size")
     action.add_argument("--merge", action="store_true", help="one unsharded file (TP=1)")
     p.add_argument("--summary", action="store_true", help="print what the checkpoint holds")
+    p.add_argument("--tensors", action="store_true", help="summary: every tensor, not per group")
+    p.add_argument(
+        "--weights-only", action="store_true", help="conversion: drop the optimizer state"
+    )
     return p
 
 
@@ -78,8 +88,40 @@ def _nbytes(info: dict) -> int:
     return _numel(info) * getattr(torch, info["dtype"]).itemsize
 
 
-def summary(ckpt: str) -> str:
-    """Iteration, sizes, progress, checksum status, and every tensor's full shape and bytes."""
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def tensor_group(key: str) -> str:
+    """The summary group of a checkpoint key: the module of a weight, with the layers folded into
+    one group per kind of sublayer (``transformer.layers.*.attention``), or the kind of an
+    optimizer state (``optimizer exp_avg``)."""
+    kind, rest = key.split("/", 1)
+    if kind == "optim":
+        return f"optimizer {rest.rsplit('/', 1)[1]}"
+    head, sep, tail = _LAYER.sub(".layers.*.", rest, count=1).partition(".layers.*.")
+    return f"{head}.layers.*.{tail.split('.')[0]}" if sep else rest.rsplit(".", 1)[0]
+
+
+def _group_lines(layout: dict[str, dict]) -> list[str]:
+    """One line per ``tensor_group``, in checkpoint order: tensors, elements, bytes, layers."""
+    groups: dict[str, list[str]] = {}
+    for key in layout:
+        groups.setdefault(tensor_group(key), []).append(key)
+    width = max(len(g) for g in groups)
+    lines = [f"  {'group':<{width}}  {'tensors':>7}  {'elements':>13}  {'bytes':>15}"]
+    for name, keys in groups.items():
+        layers = {m.group(1) for k in keys if (m := _LAYER.search(k))}
+        lines.append(
+            f"  {name:<{width}}  {len(keys):>7}  {sum(_numel(layout[k]) for k in keys):>13,}  "
+            f"{sum(_nbytes(layout[k]) for k in keys):>15,}"
+            + (f"  over {len(layers)} layers" if layers and "layers.*" in name else "")
+        )
+    return lines
+
+
+def summary(ckpt: str, tensors: bool = False) -> str:
+    """Iteration, sizes, progress, checksum status, and the tensors per group (``tensors``:
+    every tensor's full shape, dtype, split and bytes)."""
     problem = verify_checkpoint(ckpt)
     meta = read_meta(ckpt)
     files = sorted(meta["files"])
@@ -98,8 +140,11 @@ def summary(ckpt: str) -> str:
         f"checksums   {'ok' if problem is None else 'FAILED: ' + problem}",
         f"parameters  {sum(_numel(v) for v in model.values())} (vocab padding included) in "
         f"{len(model)} model tensors; "
-        f"{len(layout) - len(model)} optimizer tensors",
+        f"{len(layout) - len(model)} optimizer tensors"
+        + (" (weights only)" if meta.get("weights_only") else ""),
     ]
+    if not tensors:
+        return "\n".join(lines + _group_lines(layout))
     width = max(len(k) for k in layout)
     for key, info in layout.items():
         split = "-" if info["split_dim"] is None else info["split_dim"]
@@ -110,8 +155,11 @@ def summary(ckpt: str) -> str:
     return "\n".join(lines)
 
 
-def reshard(src: str, out: str, tp_size: int) -> str:
-    """Write checkpoint ``src`` at TP=``tp_size`` into the save directory ``out``; its path."""
+def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str:
+    """Write checkpoint ``src`` at TP=``tp_size`` into the save directory ``out``; its path.
+
+    ``weights_only``: without the optimizer state, and marked so in meta.json.
+    """
     problem = verify_checkpoint(src)
     if problem:
         raise ConfigError(f"--input: {problem}; pick an intact checkpoint with --iteration")
@@ -123,6 +171,8 @@ def reshard(src: str, out: str, tp_size: int) -> str:
             "use a divisor of it"
         )
     layout = meta["tensors"]
+    if weights_only:
+        layout = {k: v for k, v in layout.items() if k.startswith("model/")}
     for key, info in layout.items():
         split = info["split_dim"]
         if split is not None and not info["vocab"] and info["shape"][split] % tp_size:
@@ -160,6 +210,8 @@ def reshard(src: str, out: str, tp_size: int) -> str:
         "config": config,
         "converted_from": {"path": os.path.abspath(src), "tp_size": meta["tp_size"]},
     }
+    if weights_only:
+        converted.update(lr_schedule=None, grad_scaler=None, weights_only=True)
     return publish(tmp, out, converted, keep_last=None)
 
 
@@ -168,17 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     target = 1 if args.merge else args.target_tp
-    if target is None and not args.summary:
+    if target is None and not (args.summary or args.tensors):
         parser.error("nothing to do: pass --summary, --target-tp N or --merge")
     if target is not None and not args.output:
         parser.error("--target-tp/--merge need --output")
+    if args.weights_only and target is None:
+        parser.error("--weights-only needs --merge or --target-tp N (and --output)")
     try:
         src = resolve_input(args.input, args.iteration)
-        if args.summary:
-            print(summary(src))
+        if args.summary or args.tensors:
+            print(summary(src, args.tensors))
         if target is not None:
-            path = reshard(src, args.output, target)
-            print(f"wrote {path} (TP={target}); use it as checkpoint.load={args.output}")
+            path = reshard(src, args.output, target, args.weights_only)
+            use = " checkpoint.finetune=true" if args.weights_only else ""
+            print(f"wrote {path} (TP={target}); use it as checkpoint.load={args.output}{use}")
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1

@@ -5,8 +5,10 @@
     python tools/merge_datasets.py --input data/parts/ --output-prefix data/all_text_document
 
 Each ``--input`` is a dataset prefix or, as in Megatron, a directory whose every prefix (sorted by
-name) is merged. All inputs must share a token dtype (the same tokenizer). The output is written
-under temporary names and renamed when complete.
+name) is merged. All inputs must share a token dtype, and where they have sidecars
+(``{prefix}.json``, ``megatron.data.sidecar``) the same tokenizer, level and end-of-document
+setting: a mismatch is refused in one line. The output is written under temporary names and
+renamed when complete, with a sidecar when every input has one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,6 +26,7 @@ from megatron.data.indexed_dataset import (  # noqa: E402
     data_path,
     index_path,
 )
+from megatron.data.sidecar import merged_sidecar, remove_sidecar, write_sidecar  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 
 
@@ -54,18 +58,35 @@ def expand_prefixes(inputs: list[str]) -> list[str]:
     return prefixes
 
 
-def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
-    """Write the concatenation of ``prefixes`` to ``output_prefix``; return it opened."""
+def merge(
+    prefixes: list[str], output_prefix: str, say: Callable[[str], None] = print
+) -> IndexedDataset:
+    """Write the concatenation of ``prefixes`` to ``output_prefix``; return it opened.
+
+    ``say`` gets the one-line note when some inputs have no sidecar.
+    """
     if not prefixes:
         raise ConfigError("--input: no datasets to merge")
     out = os.path.abspath(output_prefix)
     if any(os.path.abspath(p) == out for p in prefixes):
         raise ConfigError(f"--output-prefix {output_prefix} is also an input; choose a new name")
+    sidecar, note = merged_sidecar(prefixes)  # refuses a mismatch before any work
+    if note:
+        say(note)
     dtype = IndexedDataset(prefixes[0]).dtype  # also validates the first input
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with IndexedDatasetWriter(output_prefix, dtype) as writer:
         for prefix in prefixes:
             writer.add_dataset(prefix)
+        remove_sidecar(output_prefix)  # before the new .bin/.idx replace the data it described
+    if sidecar:
+        write_sidecar(
+            output_prefix,
+            "tools/merge_datasets.py",
+            sidecar["tokenizer"],
+            sidecar["level"],
+            sidecar["append_eod"],
+        )
     return IndexedDataset(output_prefix)
 
 
@@ -84,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         prefixes = expand_prefixes(args.input)
-        merged = merge(prefixes, args.output_prefix)
+        merged = merge(prefixes, args.output_prefix, lambda note: print(note, file=sys.stderr))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1

@@ -75,6 +75,7 @@ class GPT2BPETokenizer(Tokenizer):
         merged_ids = np.fromiter(merged.values(), dtype=np.int64, count=len(merged))
         single = {bytes([b]): vocab[c] for b, c in byte_char.items()}
         self.num_threads = num_threads
+        self.files = (vocab_file, merges_file)
         self.vocab_size = max(vocab.values()) + 1
         self.eod = vocab[GPT2_EOD]
         self._rank_to_id: np.ndarray | None = None

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megatron.atomic_file import write_atomic
+from megatron.data.splits import SPLIT_NAMES, parse_data_paths, split_ranges
 from megatron.errors import ConfigError
 
 FIELDS: dict[str, type] = {
@@ -185,3 +186,30 @@ class Hdf5BertDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = {}
         return state
+
+
+def split_shards(
+    data_paths: list, split: str, seq_length: int, num_samples: tuple[int, int, int]
+) -> list[torch.utils.data.Subset | None]:
+    """The rows of the shards ``data_paths`` name, in file order, cut by ``split`` into train,
+    valid and test; a part the run needs no samples of (``num_samples``) is None.
+
+    Raises ConfigError when a part holds fewer rows than the run needs: pre-masked shards are
+    read once, never repeated, so a short split would run dry mid-run.
+    """
+    paths, weights = parse_data_paths(list(data_paths))
+    if weights is not None:
+        raise ConfigError("data.paths: weights are not supported with data.format=hdf5; drop them")
+    rows = Hdf5BertDataset([f for path in paths for f in shard_files(path)], seq_length)
+    parts = []
+    ranges = split_ranges(split, len(rows))
+    for name, wanted, bounds in zip(SPLIT_NAMES, num_samples, ranges, strict=True):
+        have = 0 if bounds is None else bounds[1] - bounds[0]
+        if wanted and have < wanted:
+            raise ConfigError(
+                f"data.paths: the hdf5 shards give the {name} split {have} samples but the run "
+                f"needs {wanted}; write more (tools/bert_to_hdf5.py --num-samples) or change "
+                "data.split, training.train_iters, training.eval_iters or training.test_iters"
+            )
+        parts.append(torch.utils.data.Subset(rows, range(*bounds)) if wanted else None)
+    return parts

@@ -59,11 +59,28 @@ class ChunkResult:
     bytes: int = 0
 
 
+def keep_whitespace(text: str, sentences: list[str]) -> list[str]:
+    """``sentences`` (stripped pieces of ``text``, in order) each with the whitespace after it.
+
+    Megatron's --keep-newlines: its punkt variant (CustomLanguageVars) ends a sentence after the
+    whitespace that follows it, so newlines between sentences stay in the data; the document's
+    last sentence ends at its last non-space character.
+    """
+    starts, pos = [], 0
+    for sentence in sentences:
+        pos = text.find(sentence, pos)  # the first match from here is this piece: it is stripped
+        starts.append(pos)
+        pos += len(sentence)
+    ends = [*starts[1:], len(text.rstrip())]
+    return [text[a:b] for a, b in zip(starts, ends)]
+
+
 class JsonlEncoder:
     """Turns chunks of raw JSONL lines into token sequences, one dataset per JSON key.
 
-    Each key's value is a document: a string (split into sentences with ``split_sentences``)
-    or a list of strings taken as its sentences. Tokens are in ``best_dtype`` of the vocabulary.
+    Each key's value is a document: a string (split into sentences with ``split_sentences``,
+    keeping the whitespace between them with ``keep_newlines``) or a list of strings taken as
+    its sentences. Tokens are in ``best_dtype`` of the vocabulary.
     """
 
     def __init__(
@@ -73,11 +90,14 @@ class JsonlEncoder:
         split_sentences: bool = False,
         append_eod: bool = False,
         skip_bad_lines: bool = False,
+        keep_newlines: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.dtype = best_dtype(tokenizer.vocab_size)
-        self.keys, self.split = keys, split_sentences
+        self.keys, self.split, self.keep_newlines = keys, split_sentences, keep_newlines
         self.append_eod, self.skip_bad_lines = append_eod, skip_bad_lines
+        # Only tokenizers that can refuse a text (NullTokenizer) pay for a check per piece.
+        self._checks_text = type(tokenizer).bad_text is not Tokenizer.bad_text
 
     def parse_line(self, raw: bytes) -> list[list[str]]:
         """The texts of each key's sequences (one, or its sentences), or BadLine."""
@@ -96,7 +116,11 @@ class JsonlEncoder:
             if isinstance(value, str):
                 if not value or value.isspace():  # isspace stops at the first other character
                     raise BadLine(f"empty document in key {key!r}")
-                pieces = split_sentences(value) if self.split else [value]
+                pieces = [value]
+                if self.split:
+                    pieces = split_sentences(value)
+                    if self.keep_newlines:
+                        pieces = keep_whitespace(value, pieces)
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
                 pieces = value  # already split into sentences, as Megatron accepts
             else:
@@ -108,6 +132,8 @@ class JsonlEncoder:
                     except UnicodeEncodeError:
                         # a \ud800-style escape without its pair: no tokenizer takes it
                         raise BadLine(f"unpaired surrogate escape in key {key!r}") from None
+                if self._checks_text and (why := self.tokenizer.bad_text(piece)):
+                    raise BadLine(f"{why} in key {key!r}")
             documents.append(pieces)
         return documents
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from megatron.config import TrainingConfig
 from megatron.data.blended_dataset import build_blended_dataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import ConfigError
@@ -53,6 +54,17 @@ def split_ranges(split: str, num_elements: int) -> list[tuple[int, int] | None]:
         else:
             ranges.append((int(round(lo * num_elements)), int(round(hi * num_elements))))
     return ranges
+
+
+def samples_per_split(t: TrainingConfig) -> tuple[int, int, int]:
+    """The samples a run draws from train, valid and test: every step, every evaluation (at each
+    multiple of eval_interval, with one to spare) and the one test evaluation at the end."""
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
+    return (
+        t.train_iters * t.global_batch_size,
+        evals * t.global_batch_size,
+        t.test_iters * t.global_batch_size,
+    )
 
 
 def parse_data_paths(paths: list) -> tuple[list[str], list[float] | None]:

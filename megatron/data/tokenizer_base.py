@@ -1,7 +1,8 @@
 """The interface every tokenizer implements, and the file checks the implementations share.
 
-Its own module so that each implementation (``tokenizers``, ``gpt2_bpe``) can import it while
-``tokenizers.build_tokenizer`` imports them all.
+Its own module so that each implementation (``tokenizers``, ``gpt2_bpe``, ``sp_tokenizer``,
+``tiktokenizer``, ``null_tokenizer``) can import it while ``tokenizers.build_tokenizer`` imports
+them all.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -21,6 +24,12 @@ _FLAGS = {
     "tokenizer.vocab_file": "--vocab-file",
     "tokenizer.merges_file": "--merge-file",
     "tokenizer.lower_case": "--lower-case",
+    "tokenizer.vocab_size": "--vocab-size",
+    "tokenizer.vocab_extra_ids": "--vocab-extra-ids",
+    "tokenizer.special_tokens": "--tokenizer-special-tokens",
+    "tokenizer.sentencepiece_legacy": "--tokenizer-sentencepiece-legacy",
+    "tokenizer.tiktoken_pattern": "--tiktoken-pattern",
+    "tokenizer.tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
 }
 
 
@@ -39,7 +48,11 @@ def require_file(key: str, path: str | None, what: str) -> str:
 
 
 class Tokenizer(ABC):
-    """Text to token ids and back; ``eod`` closes a document, specials are None where absent."""
+    """Text to token ids and back; ``eod`` closes a document, specials are None where absent.
+
+    ``files`` are the files it was built from (hashed into a dataset's sidecar); ``options`` the
+    settings besides those files that change which id a text gets (also in the sidecar).
+    """
 
     vocab_size: int
     eod: int
@@ -47,6 +60,12 @@ class Tokenizer(ABC):
     cls: int | None = None
     sep: int | None = None
     mask: int | None = None
+    files: tuple[str, ...] = ()
+    options: Mapping[str, object] = MappingProxyType({})  # implementations assign their own
+
+    def bad_text(self, text: str) -> str | None:
+        """Why ``text`` cannot be encoded (e.g. NullTokenizer's non-integers), or None."""
+        return None
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

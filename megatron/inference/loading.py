@@ -17,7 +17,8 @@ from torch import nn
 
 from megatron import checkpointing
 from megatron.checkpoint_reshard import read_meta
-from megatron.config import Config, config_from_dict, padded_vocab_size
+from megatron.config import Config, padded_vocab_size
+from megatron.config_load import config_from_dict
 from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.models.bert import BertModel

@@ -92,7 +92,7 @@ fi
 SAVE_DIR=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import sys
 
-from megatron.config import load_config
+from megatron.config_load import load_config
 from megatron.errors import ConfigError
 
 try:
