@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CPU demo: sample corpus -> sentencepiece tokenizer -> .bin/.idx -> gpt_tiny at TP=2.
+# The CPU demo: sample corpus -> sentencepiece tokenizer -> .bin/.idx -> gpt_tiny at TP=2 ->
+# validation perplexity and a greedy sample.
 # Every step reuses what an earlier run left in data/; a second run resumes from the checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,5 +12,12 @@ mkdir -p data
 [ -f data/corpus_text_document.idx ] || $PY tools/preprocess_data.py --input data/corpus.jsonl \
     --output-prefix data/corpus --tokenizer-type sentencepiece \
     --tokenizer-model data/tokenizer.model --append-eod --workers 2
-exec $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+$PY -m torch.distributed.run --standalone --nproc-per-node 2 \
     pretrain_gpt.py --config configs/gpt_tiny.yaml "$@"
+# What the run trained: validation perplexity (the split the loop evaluated on), then a greedy
+# sample. One process each: the TP=2 checkpoint is resharded to TP=1 on load.
+echo "== validation perplexity"
+$PY tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split valid
+echo "== greedy sample"
+$PY tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "Return the number of" \
+    --max-new-tokens 40

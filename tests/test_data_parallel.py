@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.parallel.data_parallel import DataParallel
+from megatron.parallel.state import ParallelState
 from tests.distributed import run_distributed
-from tests.test_optimizer import single_state
 
 VOCAB = 13
 BUCKET_MB = 150 * 4 / 2**20  # 150 fp32 values: three buckets, one of several parameters
@@ -72,7 +72,7 @@ def test_accumulation_equals_one_big_batch(monkeypatch):
     model = TiedNet()
     ids, targets = batch(8)
     expected = serial_grads(model, ids, targets)
-    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    ddp = DataParallel(model, ParallelState.serial(torch.device("cpu")), BUCKET_MB)
     accumulate(ddp, ids, targets, micro=4)
     ddp.finish_grad_sync()
     for name, p in model.named_parameters():
@@ -94,7 +94,7 @@ def test_bf16_gradients_accumulate_in_fp32():
         for n, p in ref.named_parameters():
             if p.grad is not None:
                 expected[n] = expected.get(n, 0) + p.grad.float()
-    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    ddp = DataParallel(model, ParallelState.serial(torch.device("cpu")), BUCKET_MB)
     accumulate(ddp, ids, targets, micro=2)
     ddp.finish_grad_sync()
     for name, p in model.named_parameters():
@@ -105,7 +105,7 @@ def test_bf16_gradients_accumulate_in_fp32():
 def test_backward_after_reduction_is_refused():
     model = TiedNet()
     ids, targets = batch(2)
-    ddp = DataParallel(model, single_state(), BUCKET_MB)
+    ddp = DataParallel(model, ParallelState.serial(torch.device("cpu")), BUCKET_MB)
     loss_fn(model, ids, targets).backward()
     assert all(b.launched for b in ddp.buckets[:-1])  # the unused parameter's waits for finish
     with pytest.raises(RuntimeError, match="no_sync"):

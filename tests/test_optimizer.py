@@ -22,23 +22,6 @@ from tests.distributed import run_distributed
 CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, adam_beta2=0.95)
 
 
-def single_state() -> ParallelState:
-    """A world of one without a process group: the optimizer then issues no collective (also
-    the serial reference inside multi-process tests)."""
-    return ParallelState(
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-        dp_size=1,
-        dp_rank=0,
-        dp_group=None,
-        device=torch.device("cpu"),
-    )
-
-
 class Tiny(nn.Module):
     def __init__(self):
         super().__init__()
@@ -62,7 +45,10 @@ def make(dtype=torch.float32, scaler=None, cfg=CFG):
     torch.manual_seed(0)
     model = Tiny().to(dtype)
     opt = MixedPrecisionOptimizer(
-        list(model.named_parameters()), cfg, scaler or ConstantGradScaler(), single_state()
+        list(model.named_parameters()),
+        cfg,
+        scaler or ConstantGradScaler(),
+        ParallelState.serial(torch.device("cpu")),
     )
     return model, opt
 
@@ -185,7 +171,10 @@ def test_state_dict_round_trip(dtype):
     assert ("main" in entry) == (dtype != torch.float32)
     twin = copy.deepcopy(model)
     twin_opt = MixedPrecisionOptimizer(
-        list(twin.named_parameters()), CFG, DynamicGradScaler(), single_state()
+        list(twin.named_parameters()),
+        CFG,
+        DynamicGradScaler(),
+        ParallelState.serial(torch.device("cpu")),
     )
     twin_opt.load_state_dict(state)
     assert twin_opt.scaler.scale == 2.0**8
@@ -202,7 +191,10 @@ def test_state_dict_mismatch_is_a_config_error():
     opt.step()
     state = opt.state_dict()
     other = MixedPrecisionOptimizer(
-        [("fc.weight", nn.Parameter(torch.zeros(6, 8)))], CFG, ConstantGradScaler(), single_state()
+        [("fc.weight", nn.Parameter(torch.zeros(6, 8)))],
+        CFG,
+        ConstantGradScaler(),
+        ParallelState.serial(torch.device("cpu")),
     )
     with pytest.raises(ConfigError, match="does not match the model"):
         other.load_state_dict(state)
@@ -214,7 +206,9 @@ def test_state_dict_mismatch_is_a_config_error():
 
 def test_build_optimizer_picks_the_scaler():
     model = Tiny().half()
-    opt = build_optimizer(model, CFG, PrecisionConfig(dtype="fp16"), single_state())
+    opt = build_optimizer(
+        model, CFG, PrecisionConfig(dtype="fp16"), ParallelState.serial(torch.device("cpu"))
+    )
     assert opt.scaler.dynamic and opt.scaler.scale == 2.0**32
 
 
@@ -233,7 +227,10 @@ def _tp_child() -> dict:
     with torch.no_grad():
         serial[1].weight.copy_(w), serial[1].bias.copy_(b)
     serial_opt = MixedPrecisionOptimizer(
-        list(serial.named_parameters()), cfg, ConstantGradScaler(), single_state()
+        list(serial.named_parameters()),
+        cfg,
+        ConstantGradScaler(),
+        ParallelState.serial(torch.device("cpu")),
     )
     serial(x).square().sum().backward()
     serial_result = serial_opt.step()

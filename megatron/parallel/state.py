@@ -48,6 +48,12 @@ class ParallelState:
         """True on global rank 0, the one that prints and writes shared files."""
         return self.rank == 0
 
+    @classmethod
+    def serial(cls, device: torch.device) -> ParallelState:
+        """A world of one without process groups: TP layers and the optimizer then issue no
+        collective (offline tools, and the serial reference inside multi-process tests)."""
+        return cls(0, 1, 0, 1, 0, None, 1, 0, None, device)
+
 
 def rank_grid(world_size: int, tp_size: int) -> torch.Tensor:
     """The ``[dp, tp]`` grid of global ranks; a world that tp does not divide is a user error."""

@@ -1,0 +1,188 @@
+"""Our BERT as HF's BertForPreTraining (post-LN) or MegatronBertForPreTraining (pre-LN), and back.
+
+::
+
+    ours                                 Bert*ForPreTraining
+    embedding.word/.position/.tokentype  bert.embeddings.word_/position_/token_type_embeddings
+    embedding_ln (post-LN)               bert.embeddings.LayerNorm
+    transformer.layers.{i}               bert.encoder.layer.{i}
+      attention.qkv  [3h, h]               attention.self.query, key, value   [h, h] each
+      attention.dense                      attention.output.dense
+      ln1 / ln2  (post-LN)                 attention.output.LayerNorm / output.LayerNorm
+      ln1 / ln2  (pre-LN)                  attention.ln / ln
+      mlp.fc1 / fc2                        intermediate.dense / output.dense
+    transformer.final_ln (pre-LN)        bert.encoder.ln
+    lm_head.dense, .layernorm, .bias     cls.predictions.transform.dense, .LayerNorm, .bias
+                                         (decoder: tied to the word table and that bias)
+    pooler, binary_head                  bert.pooler.dense, cls.seq_relationship
+
+Our ``is_random`` label 1 means the segments were swapped; HF's class 0 is "in order", so the
+binary head maps as it is. A model without a binary head (``bert.binary_head=none``) is the
+``...ForMaskedLM`` class. Without token types (``bert.num_tokentypes=0``) the export holds a
+zero table of one row, which adds exactly nothing; an import of a one-row table folds that row
+into the position table (one float add per element).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron.config import Config
+from megatron.data.tokenizer_base import Tokenizer
+from megatron.interop.mapping import (
+    ACTIVATION_TO_HF,
+    Architecture,
+    Rule,
+    activation_from_hf,
+    layer_rules,
+    require,
+)
+
+_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
+_POSITIONS = "bert.embeddings.position_embeddings.weight"
+_QKV = "attention.self.query.{p} attention.self.key.{p} attention.self.value.{p}"
+_LAYER = [
+    ("attention.qkv.weight", _QKV.format(p="weight"), "qkv_split"),
+    ("attention.qkv.bias", _QKV.format(p="bias"), "qkv_split"),
+    ("attention.dense.weight", "attention.output.dense.weight", "same"),
+    ("attention.dense.bias", "attention.output.dense.bias", "same"),
+    ("mlp.fc1.weight", "intermediate.dense.weight", "same"),
+    ("mlp.fc1.bias", "intermediate.dense.bias", "same"),
+    ("mlp.fc2.weight", "output.dense.weight", "same"),
+    ("mlp.fc2.bias", "output.dense.bias", "same"),
+]
+_LAYER_NORMS = {
+    "post": {"ln1": "attention.output.LayerNorm", "ln2": "output.LayerNorm"},
+    "pre": {"ln1": "attention.ln", "ln2": "ln"},
+}
+
+
+def _layer_pairs(position: str) -> list[tuple[str, str, str]]:
+    """(our suffix, HF suffix(es), kind) for one layer, its LayerNorms placed per ``position``."""
+    norms = [
+        (f"{ours}.{p}", f"{hf}.{p}", "same")
+        for ours, hf in _LAYER_NORMS[position].items()
+        for p in ("weight", "bias")
+    ]
+    return _LAYER + norms
+
+
+def _pair(ours: str, hf: str) -> list[Rule]:
+    """Weight and bias of one module."""
+    return [Rule(f"{ours}.{p}", (f"{hf}.{p}",)) for p in ("weight", "bias")]
+
+
+class Bert(Architecture):
+    """One of BertFor{PreTraining,MaskedLM} (post-LN) and MegatronBertFor... (pre-LN)."""
+
+    base_prefix = "bert"
+    head_prefixes = ("cls",)
+    tied = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+    ignored = ("embeddings.position_ids",)
+    kind = "bert"
+
+    def __init__(self, layernorm_position: str, binary_head: bool):
+        self.layernorm_position, self.binary_head = layernorm_position, binary_head
+        family = "MegatronBert" if layernorm_position == "pre" else "Bert"
+        self.name = f"{family}For{'PreTraining' if binary_head else 'MaskedLM'}"
+        self.model_type = "megatron-bert" if layernorm_position == "pre" else "bert"
+
+    def rules(self, cfg: Config) -> list[Rule]:
+        """Embeddings, every layer, the final LayerNorm (pre-LN), the heads."""
+        rules = [
+            Rule("embedding.word.weight", ("bert.embeddings.word_embeddings.weight",)),
+            Rule("embedding.position.weight", (_POSITIONS,)),
+        ]
+        if cfg.bert.num_tokentypes:
+            rules.append(Rule("embedding.tokentype.weight", (_TOKEN_TYPES,)))
+        if self.layernorm_position == "post":
+            rules += _pair("embedding_ln", "bert.embeddings.LayerNorm")
+        rules += layer_rules(
+            cfg.model.num_layers, "bert.encoder.layer.{i}.", _layer_pairs(self.layernorm_position)
+        )
+        if self.layernorm_position == "pre":
+            rules += _pair("transformer.final_ln", "bert.encoder.ln")
+        rules += _pair("lm_head.dense", "cls.predictions.transform.dense")
+        rules += _pair("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
+        rules.append(Rule("lm_head.bias", ("cls.predictions.bias",)))
+        if self.binary_head:
+            rules += _pair("pooler", "bert.pooler.dense") + _pair(
+                "binary_head", "cls.seq_relationship"
+            )
+        return rules
+
+    def export_tensors(self, cfg: Config, ours: dict[str, Tensor]) -> dict[str, Tensor]:
+        """As the rules say, plus a zero token-type row for a model without token types."""
+        tensors = super().export_tensors(cfg, ours)
+        if not cfg.bert.num_tokentypes:
+            tensors[_TOKEN_TYPES] = torch.zeros(1, cfg.model.hidden_size)
+        return tensors
+
+    def import_tensors(self, cfg: Config, hf: dict[str, Tensor], where: str) -> dict[str, Tensor]:
+        """As the rules say; a one-row token-type table is added into the position table."""
+        if not cfg.bert.num_tokentypes and _TOKEN_TYPES in hf:
+            hf = dict(hf)
+            row = hf.pop(_TOKEN_TYPES)  # [1, h]: every token has type 0
+            if row.any():
+                hf[_POSITIONS] = hf[_POSITIONS] + row
+        return super().import_tensors(cfg, hf, where)
+
+    def hf_config(self, cfg: Config, vocab_size: int, tokenizer: Tokenizer) -> dict[str, Any]:
+        """BertConfig's (or MegatronBertConfig's) keys."""
+        m = cfg.model
+        return {
+            "architectures": [self.name],
+            "model_type": self.model_type,
+            "vocab_size": vocab_size,
+            "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "intermediate_size": m.ffn_hidden_size,
+            "hidden_act": ACTIVATION_TO_HF[m.activation],
+            "hidden_dropout_prob": m.hidden_dropout,
+            "attention_probs_dropout_prob": m.attention_dropout,
+            "max_position_embeddings": m.max_position_embeddings,
+            "type_vocab_size": max(cfg.bert.num_tokentypes, 1),
+            "initializer_range": m.init_method_std,
+            "layer_norm_eps": m.layernorm_epsilon,
+            "pad_token_id": tokenizer.pad if tokenizer.pad is not None else 0,
+            "position_embedding_type": "absolute",
+            "tie_word_embeddings": True,
+        }
+
+    def sections(self, hf: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+        """model.* and bert.* from BertConfig's keys (its defaults where config.json omits one)."""
+        require(hf, "position_embedding_type", "absolute", where)
+        require(hf, "is_decoder", False, where)
+        require(hf, "add_cross_attention", False, where)
+        h, positions = hf.get("hidden_size", 768), hf.get("max_position_embeddings", 512)
+        model = {
+            "num_layers": hf.get("num_hidden_layers", 12),
+            "hidden_size": h,
+            "num_attention_heads": hf.get("num_attention_heads", 12),
+            "ffn_hidden_size": hf.get("intermediate_size", 3072),
+            "seq_length": positions,
+            "max_position_embeddings": positions,
+            "hidden_dropout": hf.get("hidden_dropout_prob", 0.1),
+            "attention_dropout": hf.get("attention_probs_dropout_prob", 0.1),
+            "layernorm_position": self.layernorm_position,
+            "layernorm_epsilon": hf.get("layer_norm_eps", 1e-12),
+            "init_method_std": hf.get("initializer_range", 0.02),
+            "activation": activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act", where),
+        }
+        types = hf.get("type_vocab_size", 2)
+        bert = {
+            # Our data pipeline makes sentence-order pairs; the head is the same classifier.
+            "binary_head": "sop" if self.binary_head else "none",
+            "num_tokentypes": types if types > 1 else 0,
+        }
+        return {"model": model, "bert": bert}
+
+
+ARCHITECTURES = [Bert(position, binary) for position in ("post", "pre") for binary in (True, False)]

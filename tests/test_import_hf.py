@@ -1,0 +1,216 @@
+"""tools/import_hf.py against transformers: random HF models become our checkpoints whose logits
+equal HF's (GPT-2 at TP=2 in real gloo processes, BERTs at TP=1), that train through the real
+entrypoint, and that export back to the very same tensors.
+
+The GPT-2 has the real vocabulary size (50257 ids, padded to 50432 rows at TP=2) and a tokenizer
+of exactly that many ids saved with it, so data preprocessed with that tokenizer trains it.
+Weights are drawn with std 0.1 (not 0.02) so that a mapping mistake moves logits far past the
+1e-4 limit; see tests/test_export_hf.py for the limit itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron.interop.export import export_hf
+from megatron.interop.importer import import_hf
+from megatron.interop.verify import TOLERANCE, sample_inputs
+from tests.distributed import run_distributed
+from tests.gpt_run import _tool, read_metrics, run_pretrain
+from tests.test_export_hf import load_ours, logit_difference, run_tool
+from tests.test_pretrain_bert import VOCAB_FILE, write_corpus
+
+transformers = pytest.importorskip("transformers")
+GPT2_VOCAB = 50257
+EOD = "<|endoftext|>"
+
+
+def word_level_tokenizer(corpus: Path, path: Path) -> None:
+    """A whitespace WordLevel tokenizer.json of exactly GPT-2's 50257 ids: the corpus's words,
+    fillers, and <|endoftext|> last (id 50256), as in GPT-2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"[UNK]": 0}
+    for line in corpus.read_text().splitlines():
+        for word in json.loads(line)["text"].replace(".", " .").split():
+            words.setdefault(word, len(words))
+    for i in range(len(words), GPT2_VOCAB - 1):
+        words[f"<unused{i}>"] = i
+    words[EOD] = GPT2_VOCAB - 1
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOD])
+    tok.save(str(path))
+
+
+def random_model(cls, config) -> torch.nn.Module:
+    """A transformers model with its own std-0.1 init, and random biases and LayerNorms (HF
+    starts them at 0 and 1, where a bias put in the wrong place would go unnoticed)."""
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory) -> dict[str, Path]:
+    """A random GPT2LMHeadModel (real vocabulary size, tiny otherwise), its tokenizer and a
+    corpus preprocessed with that tokenizer; imported at TP=2."""
+    root = tmp_path_factory.mktemp("gpt2")
+    hf_dir = root / "hf"
+    config = transformers.GPT2Config(
+        vocab_size=GPT2_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        activation_function="gelu_new", initializer_range=0.1,
+        bos_token_id=GPT2_VOCAB - 1, eos_token_id=GPT2_VOCAB - 1,
+    )  # fmt: skip
+    random_model(transformers.GPT2LMHeadModel, config).save_pretrained(hf_dir)
+    write_corpus(root / "corpus.jsonl", num_docs=200)
+    word_level_tokenizer(root / "corpus.jsonl", hf_dir / "tokenizer.json")
+    ours = root / "ours"
+    import_hf(str(hf_dir), str(ours), 2)
+    _tool(
+        "tools/preprocess_data.py",
+        "--input", str(root / "corpus.jsonl"),
+        "--output-prefix", str(root / "corpus"),
+        "--tokenizer-type", "hf",
+        "--tokenizer-model", str(ours / "tokenizer" / "tokenizer.json"),
+        "--append-eod",
+        "--workers", "1",
+    )  # fmt: skip
+    return {"root": root, "hf": hf_dir, "ours": ours, "data": root / "corpus_text_document"}
+
+
+def _tp_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits, with the checkpoint loaded at TP=2."""
+    from megatron.inference.loading import load_for_inference
+
+    loaded = load_for_inference(save_dir, [], tp_size=2)
+    with torch.no_grad():
+        return loaded.model(ids)
+
+
+@pytest.mark.slow
+def test_gpt2_import_at_tp2_matches_hf(gpt2):
+    ids = sample_inputs(GPT2_VOCAB, 16, token_types=False)["ids"]
+    shards = run_distributed(_tp_logits, 2, str(gpt2["ours"]), ids)
+    ours = torch.cat(shards, dim=-1)  # [b, s, 50432]: the two vocabulary halves
+    assert ours.shape[-1] == 50432
+    hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2["hf"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+    assert (ours[..., :GPT2_VOCAB] - expected).abs().max() < TOLERANCE
+
+    meta = json.loads((gpt2["ours"] / "iter_0000000" / "meta.json").read_text())
+    assert (meta["tp_size"], meta["vocab_size"], meta["rng"]) == (2, GPT2_VOCAB, False)
+    assert meta["config"]["model"]["activation"] == "gelu_tanh"
+    assert (gpt2["ours"] / "latest").read_text() == "0\n"
+
+
+@pytest.mark.slow
+def test_gpt2_import_trains_through_pretrain_gpt(gpt2):
+    run = gpt2["root"] / "finetune"
+    overrides = [
+        f"data.paths=[{gpt2['data']}]",
+        f"data.cache_dir={run / 'cache'}",
+        "data.num_workers=0",
+        "model.seq_length=32",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.train_iters=5",
+        "training.eval_iters=0",
+        "optimizer.lr_warmup_iters=1",
+        "logging.log_interval=1",
+        f"logging.metrics_file={run / 'metrics.jsonl'}",
+        "checkpoint.save=null",
+    ]
+    config = str(gpt2["ours"] / "config.yaml")
+    proc = run_pretrain("pretrain_gpt.py", config, overrides, nproc=2)
+    assert "fine-tuning the weights of" in proc.stdout + proc.stderr
+    losses = [e["lm_loss"] for e in read_metrics(run / "metrics.jsonl")]
+    assert len(losses) == 5 and all(0 < x < 20 for x in losses)
+
+
+def test_export_of_import_gives_the_same_tensors(gpt2, tmp_path):
+    back = export_hf(str(gpt2["ours"]), str(tmp_path / "back"))
+    original = load_file(str(gpt2["hf"] / "model.safetensors"))
+    exported = load_file(f"{back}/model.safetensors")
+    tied = {"lm_head.weight"}
+    assert set(original) - tied == set(exported) - tied
+    for key in set(original) - tied:
+        assert torch.equal(original[key], exported[key]), key
+    assert json.loads(Path(back, "config.json").read_text())["activation_function"] == "gelu_new"
+    tok = transformers.AutoTokenizer.from_pretrained(back)
+    assert tok.eos_token_id == GPT2_VOCAB - 1 and len(tok) == GPT2_VOCAB
+
+
+def _bert(tmp_path: Path, architecture: str, type_vocab_size: int) -> Path:
+    """A random tiny BERT of ``architecture`` with the fixture WordPiece vocabulary (cased)."""
+    family = "MegatronBert" if architecture.startswith("Megatron") else "Bert"
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=len(Path(VOCAB_FILE).read_text().splitlines()), hidden_size=64,
+        num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, type_vocab_size=type_vocab_size, initializer_range=0.1,
+    )  # fmt: skip
+    hf_dir = tmp_path / "hf"
+    random_model(getattr(transformers, architecture), config).save_pretrained(hf_dir)
+    shutil.copy(VOCAB_FILE, hf_dir / "vocab.txt")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+    return hf_dir
+
+
+@pytest.mark.parametrize(
+    "architecture, type_vocab_size",
+    [
+        ("BertForPreTraining", 2),
+        ("MegatronBertForPreTraining", 2),
+        ("BertForMaskedLM", 1),  # no binary head; the one token-type row folds into positions
+    ],
+)
+def test_bert_import_matches_hf(tmp_path, architecture, type_vocab_size):
+    hf_dir = _bert(tmp_path, architecture, type_vocab_size)
+    import_hf(str(hf_dir), str(tmp_path / "ours"), 2)
+    ours = load_ours(str(tmp_path / "ours"))
+    hf = getattr(transformers, architecture).from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert logit_difference(ours, hf, ours.vocab_size, bert=True) < TOLERANCE
+    cfg = json.loads((tmp_path / "ours" / "iter_0000000" / "meta.json").read_text())["config"]
+    assert cfg["tokenizer"]["type"] == "wordpiece" and cfg["tokenizer"]["lower_case"] is False
+    expected_head = "none" if architecture.endswith("MaskedLM") else "sop"
+    assert cfg["bert"]["binary_head"] == expected_head
+
+
+def test_cli_verifies_and_refuses_in_one_line(tmp_path, capsys):
+    from tools.import_hf import main
+
+    hf_dir = _bert(tmp_path, "MegatronBertForPreTraining", 2)
+    args = ["--input", str(hf_dir), "--output", str(tmp_path / "ours"), "--verify"]
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pretrain_bert.py --config" in out and "verify:" in out and out.rstrip().endswith("ok")
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    proc = run_tool("tools/import_hf.py", "--input", str(llama), "--output", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "LlamaForCausalLM is not supported" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(hf_dir, pickled)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    for argv, expected in (
+        (["--input", str(pickled), "--output", str(tmp_path / "o")], "never loaded"),
+        ([*args[:2], "--output", str(tmp_path / "o"), "--tensor-parallel-size", "3"], "TP=3"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,68 @@
+"""Export a checkpoint (any TP size) as a Hugging Face model directory.
+
+    python tools/export_hf.py --load runs/gpt/checkpoints --output hf/gpt [--verify]
+    python tools/export_hf.py --load runs/bert/checkpoints --iteration 300 --output hf/bert
+
+GPT becomes GPT2LMHeadModel (pre-LN only); BERT becomes MegatronBertForPreTraining (pre-LN) or
+BertForPreTraining (post-LN), ...ForMaskedLM without a binary head. The output loads with
+``AutoModelForCausalLM`` / ``AutoModelForPreTraining`` and, where expressible, ``AutoTokenizer``.
+``--verify`` runs both models on fixed ids and fails when their logits differ by over 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.errors import ConfigError  # noqa: E402
+from megatron.inference.loading import (  # noqa: E402
+    DTYPES,
+    add_tokenizer_flags,
+    newest_checkpoint,
+    tokenizer_overrides,
+)
+from megatron.interop.export import export_hf  # noqa: E402
+from megatron.interop.hf_tokenizer import tokenizer_note  # noqa: E402
+from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="a save directory or one iter_* directory")
+    p.add_argument("--iteration", type=int, help="export this checkpoint, not the newest")
+    p.add_argument("--output", required=True, help="the HF model directory to create")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' dtype")
+    p.add_argument("--verify", action="store_true", help="compare logits with transformers")
+    add_tokenizer_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: 0, 1 when --verify finds the logits apart, 2 (one line) for a
+    user mistake."""
+    args = build_parser().parse_args(argv)
+    try:
+        out = export_hf(
+            args.load, args.output, args.iteration, args.dtype, tokenizer_overrides(args)
+        )
+        print(f"wrote {out}")
+        note = tokenizer_note(out)
+        if note:
+            print(note)
+        if args.verify:
+            ckpt, _ = newest_checkpoint(args.load, args.iteration)
+            diff = max_logit_difference(ckpt, out, args.dtype)
+            print(describe(diff))
+            return 0 if diff <= TOLERANCE else 1
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

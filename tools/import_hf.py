@@ -1,0 +1,55 @@
+"""Import a Hugging Face GPT2LMHeadModel, BertForPreTraining or MegatronBertForPreTraining as
+our checkpoint at any TP size.
+
+    python tools/import_hf.py --input hf/gpt2 --output runs/gpt2 --tensor-parallel-size 2 --verify
+    python pretrain_gpt.py --config runs/gpt2/config.yaml data.paths=[data/corpus_text_document]
+
+The input needs config.json, model.safetensors (never pytorch_model.bin: nothing is unpickled)
+and its tokenizer files. The output holds the checkpoint (weights only: fine-tune it), the
+tokenizer and a config.yaml our entrypoints accept. ``--verify`` runs both models on fixed ids
+and fails when their logits differ by over 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.errors import ConfigError  # noqa: E402
+from megatron.interop.importer import finetune_command, import_hf  # noqa: E402
+from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", required=True, help="the HF model directory")
+    p.add_argument("--output", required=True, help="the save directory to create")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="TP size to save at")
+    p.add_argument("--verify", action="store_true", help="compare logits with transformers")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: 0, 1 when --verify finds the logits apart, 2 (one line) for a
+    user mistake."""
+    args = build_parser().parse_args(argv)
+    try:
+        ckpt = import_hf(args.input, args.output, args.tensor_parallel_size)
+        print(f"wrote {ckpt} (TP={args.tensor_parallel_size}); fine-tune it with:")
+        print(f"  {finetune_command(args.output)}")
+        if args.verify:
+            diff = max_logit_difference(ckpt, args.input)
+            print(describe(diff))
+            return 0 if diff <= TOLERANCE else 1
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
