@@ -58,7 +58,11 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Masked-LM loss (mean over masked tokens) plus the binary head's cross entropy."""
     lm, binary = model(
-        batch["text"], batch["types"], batch["padding_mask"], labels=batch["labels"]
+        batch["text"],
+        batch["types"],
+        batch["padding_mask"],
+        labels=batch["labels"],
+        masked_positions=batch["masked_positions"],  # a fixed width: no host sync for the head
     )  # [b, s] fp32, [b, 2]
     mask = batch["loss_mask"]
     lm_loss = (lm * mask).sum() / mask.sum()

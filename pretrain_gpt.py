@@ -44,7 +44,10 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean per-token loss over the tokens the loss mask keeps."""
     losses = model(
-        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("document_ids"),  # present with data.reset_attention_mask
+        labels=batch["labels"],
     )  # [b, s], fp32
     mask = batch["loss_mask"]
     loss = (losses * mask).sum() / mask.sum()

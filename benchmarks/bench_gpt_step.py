@@ -1,7 +1,8 @@
 """Time one training step of our TP=1 GPT against a plain PyTorch GPT of the same shape.
 
-A step is forward, backward, AdamW step and zero_grad. Both models live in this process and their
-steps alternate (ours, plain, ours, ...), so a busy neighbour slows both alike; the machine's load
+A step is forward, backward, AdamW step and zero_grad. Both models live in this process (on the
+GPU when there is one, each step's clock then stopped after its kernels finish) and their steps
+alternate (ours, plain, ours, ...), so a busy neighbour slows both alike; the machine's load
 average is printed with the result because on 2 shared cores it moves the times several-fold.
 Prints one JSON line: {ours_ms, plain_ms, ratio, threads, loadavg}; the times are medians.
 
@@ -52,15 +53,23 @@ def build_ours() -> GPTModel:
     return GPTModel(cfg, VOCAB, padded, state, tracker)
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued kernels (if any), so that a clock read next has timed them."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def make_step(loss_fn: Callable[[], torch.Tensor], model: torch.nn.Module) -> Callable[[], float]:
     """A closure running one full training step and returning its wall time in ms."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> float:
+        synchronize()  # the previous step's kernels are not this one's
         start = time.perf_counter()
         loss_fn().backward()
         opt.step()
         opt.zero_grad()
+        synchronize()
         return (time.perf_counter() - start) * 1e3
 
     return step
@@ -76,9 +85,10 @@ def main() -> None:
 
     ours = build_ours().train()
     torch.manual_seed(SEED)
-    plain = PlainGPT(VOCAB, SEQ, LAYERS, HIDDEN, HEADS).train()
+    device = next(ours.parameters()).device
+    plain = PlainGPT(VOCAB, SEQ, LAYERS, HIDDEN, HEADS).to(device).train()
     g = torch.Generator().manual_seed(SEED)
-    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).to(device)
     tokens, labels = data[:, :-1], data[:, 1:]
 
     steps = {

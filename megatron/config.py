@@ -50,6 +50,11 @@ class ModelConfig:
     activation: Literal["gelu", "gelu_tanh"] = _doc(
         "MLP GeLU: exact (erf), or the tanh approximation of released GPT-2 weights.", "gelu"
     )
+    compile: bool = _doc(
+        "torch.compile each transformer layer (regional). GPU-first: on CPU it may be slower; "
+        "attention dropout > 0 splits each layer's graph at its RNG fork.",
+        False,
+    )
 
 
 @dataclass
@@ -182,6 +187,10 @@ class PrecisionConfig:
     """Model dtype and the fp16 loss scaler (bf16 and fp32 need none)."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = _doc("Parameter/activation dtype.", "fp32")
+    tf32: bool = _doc(
+        "fp32 on CUDA: matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs).",
+        True,
+    )
     loss_scale: float | None = _doc("fp16: constant loss scale; null: dynamic.", None)
     initial_loss_scale: float = _doc("fp16 dynamic scale at start.", 2.0**32)
     loss_scale_window: int = _doc("Clean steps before the scale doubles.", 1000)

@@ -3,9 +3,11 @@
 
 The signal handler only records that the signal came, so a signal is never lost, whenever it
 arrives: during a step, an evaluation, a save, or the setup before the first step. Once per
-iteration ``ExitPolicy.agree`` sums every rank's flags in one all-reduce, so a signal delivered to
-any one rank makes every rank save at the same iteration and exit 0. The step's metrics ride along
-in the same all-reduce.
+iteration every rank's flags are summed in one all-reduce, so a signal delivered to any one rank
+makes every rank save at the same iteration and exit 0: ``ExitPolicy.contribution`` is a rank's
+share (the step's metrics, then its flags), which rides in the optimizer step's own all-reduce and
+host sync (and, on an evaluation iteration, in the evaluation's, so that a signal that came during
+it is acted on at once); ``ExitPolicy.split_sums`` reads the sums and ``reason`` decides.
 
 torchrun gives its workers 30 s between SIGTERM and SIGKILL (SLURM: ``KillWait``): the
 iteration in flight, plus the save, must fit in that.
@@ -19,7 +21,6 @@ from collections.abc import Sequence
 from types import FrameType
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron.config import TrainingConfig
@@ -70,23 +71,32 @@ class ExitPolicy:
             return f"training.exit_interval={self.cfg.exit_interval}"
         return ""
 
-    def agree(
-        self, iteration: int, metrics: dict[str, Tensor], state: ParallelState
-    ) -> tuple[dict[str, float], str]:
-        """The step's ``metrics`` averaged over DP, and why every rank stops ('' to go on).
+    def contribution(self, metrics: dict[str, Tensor], state: ParallelState) -> Tensor:
+        """This rank's share of a sum over the world: ``metrics``, then ``local_flags()``.
 
-        The iteration's one all-reduce (a sum over the world) carries the exit flags, which may
-        differ between ranks, and the metrics, to which TP rank 0 of each DP replica alone
-        contributes (TP ranks hold the same values). Every rank gets the same means, so a log
-        window filled with them, which checkpoints carry, is the same on every rank.
+        The metrics come from TP rank 0 of each DP replica alone (TP ranks hold the same values,
+        the others contribute zeros); the flags, which may differ between ranks, from every rank.
+        A 1-D fp64 tensor on the device, built without waiting for it: ``torch.full`` passes the
+        host's flags as kernel arguments, where a copy from pageable memory would synchronise.
         """
-        local = [v.reshape(1) for v in metrics.values()]
+        values = [v.reshape(1).to(torch.float64) for v in metrics.values()]
         if state.tp_rank != 0:
-            local = [torch.zeros_like(v) for v in local]
-        flags = torch.tensor(self.local_flags(), device=state.device)
-        summed = torch.cat([*local, flags])
-        if state.world_size > 1:
-            dist.all_reduce(summed)
-        *sums, signal_seen, out_of_time = summed.tolist()
-        means = {name: total / state.dp_size for name, total in zip(metrics, sums)}
-        return means, self.reason(iteration, [signal_seen, out_of_time])
+            values = [torch.zeros_like(v) for v in values]
+        flags = [
+            torch.full((1,), flag, dtype=torch.float64, device=state.device)
+            for flag in self.local_flags()
+        ]
+        return torch.cat([*values, *flags])
+
+    def split_sums(
+        self, names: Sequence[str], sums: Sequence[float], state: ParallelState
+    ) -> tuple[dict[str, float], list[float]]:
+        """The world's sums of ``contribution``: the metrics ``names`` averaged over DP, and the
+        flags summed over ranks (for ``reason``).
+
+        Every rank gets the same means, so a log window filled with them, which checkpoints
+        carry, is the same on every rank.
+        """
+        *totals, signal_seen, out_of_time = sums
+        means = {name: total / state.dp_size for name, total in zip(names, totals, strict=True)}
+        return means, [signal_seen, out_of_time]

@@ -3,7 +3,8 @@
 ``pretrain`` validates the config before any process starts work, builds the process groups,
 tokenizer, model, optimizer and data, resumes from the newest intact checkpoint when there is
 one, then runs: micro-batches -> forward/backward -> DP gradient sync -> unscale/check/clip/step
--> LR step -> evaluate -> agree (metrics and exit flags, one all-reduce) -> log -> save, until
+(with the metrics and exit flags in its all-reduce, and the iteration's one host sync at its end)
+-> LR step -> evaluate (agreeing on the exit flags again) -> log -> save, until
 ``train_iters`` (or ``train_samples``), ``exit_interval``, ``exit_duration_in_mins`` or the exit
 signal; a run that reaches ``train_iters`` then evaluates the test split once (``test_iters``).
 
@@ -39,7 +40,7 @@ from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.logging import LogWindow, MetricsLogger, Workload, log, setup_logging
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatron.optim.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer
 from megatron.parallel import state as parallel_state
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.random import RNGTracker
@@ -181,6 +182,10 @@ def _train(
             "precision.dtype=fp16 on CPU can be up to ~50x slower than bf16 (CPUs without fp16 "
             "kernels); use precision.dtype=bf16"
         )
+    if cfg.precision.dtype == "fp32":
+        # Flags only: on CUDA they pick TF32 kernels for fp32 matmuls; elsewhere nothing reads them.
+        torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
     tracker = RNGTracker(state.device)
     tracker.seed(cfg.training.seed, state.tp_rank)
     tokenizer = build_tokenizer(**asdict(cfg.tokenizer))
@@ -322,8 +327,15 @@ class _Loop:
     num_micro: int
     vocab_size: int
 
-    def train_step(self, data: Iterator[Batch]) -> tuple[Any, dict[str, Tensor]]:
-        """One optimizer step over ``num_micro`` micro-batches; metrics averaged over them."""
+    def train_step(
+        self, data: Iterator[Batch], policy: ExitPolicy
+    ) -> tuple[StepResult, dict[str, float], list[float]]:
+        """One optimizer step over ``num_micro`` micro-batches: its result, the metrics averaged
+        over the micro-batches and DP, and the exit flags summed over the world.
+
+        Nothing here waits for the device but the optimizer's one host sync, after the step's
+        last kernel; the metrics and the flags ride in the step's all-reduce and that sync.
+        """
         self.ddp.zero_grad_buffer()
         sums: dict[str, Tensor] = {}
         for i in range(self.num_micro):
@@ -336,13 +348,19 @@ class _Loop:
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
         self.ddp.finish_grad_sync()  # waits for the buckets still in flight
-        result = self.optimizer.step()  # one host sync: the agreed overflow flag and the norm
-        return result, {k: v / self.num_micro for k, v in sums.items()}
+        means = {k: v / self.num_micro for k, v in sums.items()}
+        # The iteration's one host sync, after the step's last kernel: the metrics and this
+        # rank's exit flags are summed over the world in the step's own all-reduce.
+        result = self.optimizer.step(policy.contribution(means, self.state))
+        return result, *policy.split_sums(list(sums), result.sums, self.state)
 
     @torch.no_grad()
-    def evaluate(self, data: Iterator[Batch], iters: int) -> dict[str, float]:
-        """``iters`` steps of evaluation on ``data``, averaged over them and DP (one
-        all-reduce)."""
+    def evaluate(
+        self, data: Iterator[Batch], iters: int, policy: ExitPolicy
+    ) -> tuple[dict[str, float], list[float]]:
+        """``iters`` steps of evaluation on ``data``: the metrics averaged over them and DP, and
+        the exit flags summed over the world (agreed after the evaluation, so a signal that came
+        during it counts now); one all-reduce and one host sync."""
         self.model.eval()
         sums: dict[str, Tensor] = {}
         for _ in range(iters * self.num_micro):
@@ -350,13 +368,13 @@ class _Loop:
             for name, value in self.forward_step(self.model, batch)[1].items():
                 sums[name] = sums.get(name, 0.0) + value.float()
         self.model.train()
-        if not sums:
-            return {}
-        stacked = torch.stack(list(sums.values()))
-        if self.state.dp_size > 1:
-            dist.all_reduce(stacked, group=self.state.dp_group)
-        count = iters * self.num_micro * self.state.dp_size
-        return dict(zip(sums, (stacked / count).tolist()))
+        count = iters * self.num_micro
+        local = policy.contribution({k: v / count for k, v in sums.items()}, self.state)
+        if self.state.world_size > 1:
+            # The means over DP, and the flags of every rank, so that all stop together.
+            dist.all_reduce(local)
+        # The evaluation's one host sync: its means are logged now.
+        return policy.split_sums(list(sums), local.tolist(), self.state)
 
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.save (if set)."""
@@ -387,8 +405,10 @@ class _Loop:
         self.model.train()
         while p.iteration < t.train_iters:
             start = time.perf_counter()
-            result, values = self.train_step(train_iter)
-            seconds = time.perf_counter() - start  # evaluation time is not iteration time
+            result, means, flags = self.train_step(train_iter, policy)
+            # The step ended in a host sync after its last kernel (the optimizer's copy-back), so
+            # this is the device's time too; evaluation time is not iteration time.
+            seconds = time.perf_counter() - start
             p.iteration += 1
             p.consumed_train_samples += t.global_batch_size
             nan = not result.updated and cfg.precision.dtype != "fp16"
@@ -402,10 +422,10 @@ class _Loop:
                 p.nan_iters += nan
             evaluated = None
             if valid_iter is not None and t.eval_iters and p.iteration % t.eval_interval == 0:
-                evaluated = self.evaluate(valid_iter, t.eval_iters)
+                # Its flags, agreed after it, supersede the step's.
+                evaluated, flags = self.evaluate(valid_iter, t.eval_iters, policy)
                 p.consumed_valid_samples += t.eval_iters * t.global_batch_size
-            # After the evaluation, so that a signal that came during it is seen now.
-            means, stop = policy.agree(p.iteration, values, self.state)
+            stop = policy.reason(p.iteration, flags)
             p.window.add(means, seconds, not result.updated, nan)
 
             if p.iteration % cfg.logging.log_interval == 0 or p.iteration == t.train_iters:
@@ -437,6 +457,6 @@ class _Loop:
                 log.info("exiting at iteration %d (%s)", p.iteration, stop)
                 return 0
         if test_iter is not None:
-            tested = self.evaluate(test_iter, t.test_iters)
+            tested, _ = self.evaluate(test_iter, t.test_iters, policy)
             self.metrics.validation(p.iteration, p.consumed_train_samples, tested, "test")
         return 0

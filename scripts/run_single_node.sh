@@ -58,6 +58,11 @@ if [[ -z ${NPROC:-} ]]; then
     fi
 fi
 
+# One CUDA hardware queue per process: kernels then start in the order they are issued, so the
+# column-parallel layers' input-gradient all-reduce, issued before their weight-gradient GEMM,
+# really runs alongside it (megatron/parallel/layers.py turns that overlap on only with this set).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC"
     --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --shutdown-timeout="$SHUTDOWN_TIMEOUT"
     "$ENTRYPOINT" --config "$CONFIG" "$@")

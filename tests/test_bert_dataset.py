@@ -213,7 +213,12 @@ def test_sample_layout_and_segments(corpus):
             "loss_mask": np.float32,
             "padding_mask": np.int64,
             "is_random": np.int64,
+            "masked_positions": np.int64,
         }
+        positions = np.flatnonzero(x["loss_mask"])  # the masked ones, then 0 (the [CLS])
+        assert len(x["masked_positions"]) == ds.max_predictions >= len(positions)
+        np.testing.assert_array_equal(x["masked_positions"][: len(positions)], positions)
+        assert not x["masked_positions"][len(positions) :].any()
         n = int(x["padding_mask"].sum())
         assert np.all(x["padding_mask"][:n] == 1) and np.all(x["padding_mask"][n:] == 0)
         original = np.where(x["labels"] >= 0, x["labels"], x["text"])

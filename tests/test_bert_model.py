@@ -42,6 +42,14 @@ def build(st, overrides: dict, binary_head: str, vocab: int = VOCAB, seed: int =
     return BertModel(cfg, vocab, padded, st, tracker, 2, binary_head)
 
 
+def pad_masked(masked: torch.Tensor) -> torch.Tensor:
+    """Each row's masked positions in order, then 0 up to the widest row: the datasets'
+    ``masked_positions``."""
+    width = int(masked.sum(1).max())
+    order = torch.sort((~masked).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    return torch.where(masked.gather(1, order), order, 0)
+
+
 def batch(n: int = 4, seed: int = 7, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """Random sentence pairs with padding and ~15% masked positions (never [CLS] or padding)."""
     g = torch.Generator().manual_seed(seed)
@@ -60,12 +68,13 @@ def batch(n: int = 4, seed: int = 7, vocab: int = VOCAB) -> dict[str, torch.Tens
         "labels": labels,
         "loss_mask": masked.float(),
         "is_random": torch.randint(0, 2, (n,), generator=g),
+        "masked_positions": pad_masked(masked),
     }
 
 
 def losses(model, b: dict[str, torch.Tensor]):
     """pretrain_bert's losses: the masked-token mean LM loss, the binary head's cross entropy."""
-    lm, binary = model(b["text"], b["types"], b["padding_mask"], labels=b["labels"])
+    lm, binary = model(b["text"], b["types"], b["padding_mask"], b["labels"], b["masked_positions"])
     lm_loss = (lm * b["loss_mask"]).sum() / b["loss_mask"].sum()
     if binary is None:
         return lm_loss, torch.zeros(())
@@ -123,10 +132,11 @@ def _head_and_attention():
     # the binary head takes no part in the LM loss
     grad = lambda loss: torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)  # noqa: E731
     dense_grads = grad(dense_loss)
-    sparse, _ = model(b["text"], b["types"], b["padding_mask"], labels=b["labels"])
+    sparse, _ = model(b["text"], b["types"], b["padding_mask"], b["labels"], b["masked_positions"])
     sparse_loss = (sparse * b["loss_mask"]).sum() / b["loss_mask"].sum()
     sparse_grads = grad(sparse_loss)
-    out["head"] = (dense.detach(), sparse.detach(), dense_grads, sparse_grads)
+    every, _ = model(b["text"], b["types"], b["padding_mask"], labels=b["labels"])
+    out["head"] = (dense.detach(), sparse.detach(), dense_grads, sparse_grads, every.detach())
     # bidirectional: a later token changes the first position; padding changes nothing real
     later = {**b, "text": b["text"].clone()}
     later["text"][0, SEQ - 1] = (later["text"][0, SEQ - 1] + 1) % VOCAB
@@ -141,11 +151,12 @@ def _head_and_attention():
 
 def test_masked_only_head_and_bidirectional_attention():
     out = run_distributed(_head_and_attention, 1)[0]
-    dense, sparse, dense_grads, sparse_grads = out["head"]
+    dense, sparse, dense_grads, sparse_grads, every = out["head"]
     masked = batch()["loss_mask"].bool()
     assert torch.isfinite(dense).all()  # -1 labels give finite losses, zeroed by the mask
     close(sparse[masked], dense[masked], 1e-6)
     assert (sparse[~masked] == 0).all()
+    close(every, sparse, 1e-6)  # without masked_positions the head runs on every position
     for s, d in zip(sparse_grads, dense_grads, strict=True):
         close(s, d, 1e-5)
     (base, base_bin), (later, _), (padded, padded_bin) = out["attention"]
@@ -174,7 +185,7 @@ def _saved_bytes(model, b: dict[str, torch.Tensor]) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(b["text"], b["types"], b["padding_mask"], labels=b["labels"])
+        model(b["text"], b["types"], b["padding_mask"], b["labels"], b["masked_positions"])
     return sum(storages.values())
 
 
@@ -191,6 +202,7 @@ def _measure(tp: int):
             b = batch(n=2, vocab=vocab)
             n = masked_count(SEQ - 3, 0.15)
             b["labels"] = torch.full((2, SEQ), -1).index_fill(1, torch.arange(1, n + 1), 5)
+            b["masked_positions"] = torch.arange(1, n + 1).expand(2, n)
             b["padding_mask"] = torch.ones(2, SEQ, dtype=torch.long)
             entry["saved"] = _saved_bytes(model, b)
         out.append(entry)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from megatron.errors import ConfigError
 from megatron.inference.generation import Generation, generate
 from megatron.inference.loading import Loaded, load_for_inference
 from megatron.inference.sampling import SamplingParams, filter_logits
+from megatron.parallel import state as parallel_state
 from tests.distributed import free_port
 from tests.gpt_run import ROOT
 from tools.generate import continuation
@@ -30,9 +32,11 @@ NEW = 16
 
 
 @pytest.fixture(scope="module")
-def wide(wide_gpt) -> Loaded:
-    """``wide_gpt`` loaded in this process (a world of one)."""
-    return load_for_inference(wide_gpt["ckpt"], [])
+def wide(wide_gpt) -> Iterator[Loaded]:
+    """``wide_gpt`` loaded in this process (a world of one); its process group is torn down
+    after the module, so later tests start without one."""
+    yield load_for_inference(wide_gpt["ckpt"], [])
+    parallel_state.shutdown()
 
 
 def encode(loaded: Loaded) -> list[list[int]]:

@@ -215,11 +215,13 @@ def test_reset_masks_match_megatron_semantics(tokens):
     out = ltor_masks(tokens, 0, True, True, True)
     assert torch.equal(out["loss_mask"], loss)
     assert torch.equal(out["position_ids"], positions)
-    assert out["attention_mask"].dtype == torch.bool and torch.equal(
-        out["attention_mask"], attention
-    )
+    # Megatron's dense mask, rebuilt from the document ids as the model does on the device.
+    doc = out["document_ids"]  # [s]
+    causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()  # [s_query, s_key]
+    allowed = causal & (doc[:, None] == doc[None, :])
+    assert doc.dtype == torch.int64 and torch.equal(~allowed[None], attention)
     plain = ltor_masks(tokens, 0, False, False, False)
-    assert "attention_mask" not in plain and torch.equal(
+    assert "document_ids" not in plain and torch.equal(
         plain["position_ids"], torch.arange(len(tokens))
     )
 

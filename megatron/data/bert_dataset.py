@@ -98,13 +98,33 @@ def masked_count(num_maskable: int, masked_lm_prob: float) -> int:
     return max(1, round(num_maskable * masked_lm_prob)) if num_maskable else 0
 
 
+def max_predictions(seq_length: int, masked_lm_prob: float) -> int:
+    """The most tokens a sample of ``seq_length`` masks: its ``masked_positions`` width.
+
+    Megatron's ``max_predictions_per_seq`` is ``masked_lm_prob * (seq_length - 3)`` (room for
+    [CLS] and two [SEP]), which caps its rounded count; here the count is the rounded one and
+    never capped, so the width is that count for the most maskable tokens a sample holds (at
+    most one more than Megatron's, when the product's fraction is at least 0.5).
+    """
+    return masked_count(seq_length - 3, masked_lm_prob)
+
+
+def pad_positions(positions: np.ndarray, width: int) -> np.ndarray:
+    """``positions`` (int64) then zeros up to ``width``: 0 is the [CLS], never masked."""
+    padded = np.zeros(width, dtype=np.int64)
+    padded[: len(positions)] = positions
+    return padded
+
+
 class BertDataset(torch.utils.data.Dataset):
     """Masked-LM + sentence-order samples over a sentence-split IndexedDataset.
 
     Each item is a dict of numpy arrays of length ``seq_length``: ``text`` (the masked input),
     ``types`` (0 for [CLS] A [SEP], 1 for B [SEP]), ``labels`` (the original id where masked, -1
-    elsewhere), ``loss_mask`` (float32, 1 where masked), ``padding_mask`` (1 on real tokens) and the
-    scalar ``is_random`` (1 when A and B were swapped). Without ``binary_head`` a sample is
+    elsewhere), ``loss_mask`` (float32, 1 where masked), ``padding_mask`` (1 on real tokens), the
+    scalar ``is_random`` (1 when A and B were swapped), and ``masked_positions``: the masked
+    positions in order, padded with 0 to ``max_predictions(seq_length, masked_lm_prob)``, so the
+    model's LM head has a fixed size. Without ``binary_head`` a sample is
     ``[CLS] A [SEP]`` with all its sentences in A (Megatron's option for BERT without the
     sentence-order head), and ``is_random`` is always 0.
 
@@ -173,6 +193,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.vocab = vocab
         self.masked_lm_prob = masked_lm_prob
+        self.max_predictions = max_predictions(seq_length, masked_lm_prob)
         self.max_ngram = max_ngram
         self.binary_head = binary_head
         self._special = np.zeros(vocab.vocab_size, dtype=bool)
@@ -226,6 +247,7 @@ class BertDataset(torch.utils.data.Dataset):
             "loss_mask": loss_mask,
             "padding_mask": padding_mask,
             "is_random": np.int64(is_random),
+            "masked_positions": pad_positions(positions, self.max_predictions),
         }
 
     def _choose_masked(self, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:

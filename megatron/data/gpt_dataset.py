@@ -119,11 +119,12 @@ def ltor_masks(
     reset_attention_mask: bool,
     eod_mask_loss: bool,
 ) -> dict[str, torch.Tensor]:
-    """Loss mask, position ids and (only with reset_attention_mask) the attention mask.
+    """Loss mask, position ids and (only with reset_attention_mask) the document ids.
 
-    With resets, a document starts after each EOD in ``tokens``: positions restart at 0 and a
-    token attends only to earlier tokens of its own document. ``attention_mask`` is [1, s, s],
-    True where attention is masked out, as in Megatron.
+    With resets, a document starts after each EOD in ``tokens`` (the EOD ends its own document):
+    positions restart at 0 and a token attends only to earlier tokens of its own document.
+    ``document_ids`` int64 [s] numbers the documents from 0; the model builds Megatron's mask
+    from them on the device (``megatron.models.document_mask``), so no [s, s] mask is made here.
     """
     s = tokens.numel()
     out = {"loss_mask": torch.ones(s, dtype=torch.float32)}
@@ -139,10 +140,7 @@ def ltor_masks(
     else:
         out["position_ids"] = positions
     if reset_attention_mask:
-        document = torch.cumsum(after_eod, dim=0)  # [s]
-        causal = positions[None, :] <= positions[:, None]  # [s_query, s_key]
-        allowed = causal & (document[None, :] == document[:, None])
-        out["attention_mask"] = (~allowed)[None]  # [1, s, s]
+        out["document_ids"] = torch.cumsum(after_eod, dim=0)  # [s]
     return out
 
 
@@ -150,8 +148,8 @@ class GPTDataset(torch.utils.data.Dataset):
     """One split of one indexed dataset as GPT samples (Megatron's sample order).
 
     ``dataset[i]`` is a dict of ``tokens`` int64[s], ``labels`` int64[s] (tokens shifted by one),
-    ``loss_mask`` float32[s], ``position_ids`` int64[s], and ``attention_mask`` bool[1, s, s]
-    only when reset_attention_mask.
+    ``loss_mask`` float32[s], ``position_ids`` int64[s], and ``document_ids`` int64[s] only
+    when reset_attention_mask.
     """
 
     def __init__(

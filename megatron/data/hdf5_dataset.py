@@ -11,7 +11,9 @@ pretraining data, so their shards read here and ours read there)::
     next_sentence_labels  int8[N]      1 when B does not follow A (here: A and B were swapped)
 
 Position 0 is always [CLS], which is never masked, so the first 0 in ``masked_lm_positions`` ends
-the list. Reading gives the same sample dict as ``BertDataset``.
+the list. Reading gives the same sample dict as ``BertDataset``, its ``masked_positions`` as wide
+as the shard's ``masked_lm_positions`` (the same width when the shard was written with the
+default ``max_predictions``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from megatron.atomic_file import write_atomic
+from megatron.data.bert_dataset import pad_positions
 from megatron.data.splits import SPLIT_NAMES, parse_data_paths, split_ranges
 from megatron.errors import ConfigError
 
@@ -180,6 +183,7 @@ class Hdf5BertDataset(torch.utils.data.Dataset):
             "loss_mask": loss_mask,
             "padding_mask": f["input_mask"][row].astype(np.int64),
             "is_random": np.int64(f["next_sentence_labels"][row]),
+            "masked_positions": pad_positions(positions[:count], len(positions)),
         }
 
     def __getstate__(self) -> dict:

@@ -116,21 +116,19 @@ class BertModel(nn.Module):
         types: Tensor | None,
         padding_mask: Tensor,
         labels: Tensor | None = None,
+        masked_positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``tokens``, ``types``, ``padding_mask`` (1 on real tokens), ``labels``: [b, s].
+        """``tokens``, ``types``, ``padding_mask`` (1 on real tokens), ``labels``: [b, s];
+        ``masked_positions``: [b, p], each sample's masked positions padded to a fixed ``p``
+        with positions whose label is -1 (the datasets pad with 0, the [CLS]).
 
         Returns ``(lm, binary)``. Without ``labels``, ``lm`` is this rank's vocab-parallel logits
         [b, s, padded_vocab / tp] at every position. With ``labels``, it is the per-token fp32
-        loss [b, s]: only positions whose label is >= 0 (the masked ones; -1 elsewhere) go
-        through the LM head, and the others hold 0. ``binary`` is [b, 2] logits on the pooled
-        [CLS], or None without a binary head.
+        loss [b, s]: only the ``masked_positions`` (every position when None) go through the LM
+        head, positions whose label is >= 0 (the masked ones; -1 elsewhere) get their loss, and
+        the others hold 0. ``binary`` is [b, 2] logits on the pooled [CLS], or None without a
+        binary head.
         """
-        positions = None
-        if labels is not None:
-            # ~15% of positions are masked; the head and the loss (most of BERT's step at small
-            # widths) run on those only. nonzero() waits for the device: ask before the forward
-            # is queued, while there is almost nothing to wait for.
-            positions = labels.reshape(-1).ge(0).nonzero().squeeze(1)  # [n_masked]
         x = self.embedding(tokens, None, types)  # [b, s, h]
         # Every query attends to every real (non-padding) key: bidirectional, no causal mask.
         # Additive (0 / -inf) in the activations' dtype, made once: given a bool mask, every
@@ -151,12 +149,22 @@ class BertModel(nn.Module):
             return self.lm_head(x, word), binary
 
         b, s, h = x.shape
-        selected = x.reshape(b * s, h).index_select(0, positions)  # [n_masked, h]
-        logits = self.lm_head(selected, word)  # [n_masked, V / tp]
-        targets = labels.reshape(-1).index_select(0, positions)  # [n_masked]
+        if masked_positions is None:
+            masked_positions = torch.arange(s, device=x.device).expand(b, s)
+        # ~15% of positions are masked; the head and the loss (most of BERT's step at small
+        # widths) run on at most p of them per sample. A fixed p, where picking the masked
+        # positions out of the labels (nonzero) would make the host wait for the device.
+        rows = masked_positions + s * torch.arange(b, device=x.device)[:, None]  # [b, p]
+        rows = rows.reshape(-1)  # [b * p], into the flattened [b * s]
+        selected = x.reshape(b * s, h).index_select(0, rows)  # [b * p, h]
+        logits = self.lm_head(selected, word)  # [b * p, V / tp]
+        targets = labels.reshape(-1).index_select(0, rows)  # [b * p], -1 on padding
+        masked = targets >= 0
         # The logits are this call's own temporary, so the loss may overwrite them.
         losses = vocab_parallel_cross_entropy(
-            logits, targets, self.vocab_size, self.tp_group, inplace=True
+            logits, targets.clamp(min=0), self.vocab_size, self.tp_group, inplace=True
         )
-        lm = losses.new_zeros(b * s).index_copy(0, positions, losses)
+        # Padding rows add exact zeros (to the [CLS] position, whose label is -1).
+        losses = torch.where(masked, losses, 0.0)
+        lm = losses.new_zeros(b * s).index_add(0, rows, losses)
         return lm.view(b, s), binary

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from megatron.models.document_mask import BlockMask, attention
 from megatron.models.kv_cache import KVCache
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megatron.parallel.random import RNGTracker
@@ -39,9 +40,11 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, state, out_init)
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None
+        self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
     ) -> Tensor:
-        """``kv_cache``: attend over the cached positions too, and cache these (decoding)."""
+        """``attn_mask``: None (causal), an SDPA mask, or a document BlockMask (see
+        ``document_mask``). ``kv_cache``: attend over the cached positions too, and cache these
+        (decoding)."""
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
         # Unbind the (q, k, v) axis where it lies: backward then stacks the three gradients
@@ -54,12 +57,15 @@ class ParallelAttention(nn.Module):
             causal = attn_mask is None and kv_cache.length == 0
             k, v = kv_cache.append(self.layer_index, k, v)  # [b, heads_pp, cached + s, head_dim]
         dropout = self.dropout if self.training else 0.0
-        # Attention probabilities are split by head, so their dropout draws from this TP rank's
-        # own stream.
-        with self.tracker.fork():
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal
-            )
+        if dropout == 0.0:
+            # Nothing is drawn, so the RNG fork is skipped: it swaps generator states, which
+            # torch.compile cannot trace (a graph break mid-layer).
+            ctx = attention(q, k, v, attn_mask, dropout, causal)
+        else:
+            # Attention probabilities are split by head, so their dropout draws from this TP
+            # rank's own stream.
+            with self.tracker.fork():
+                ctx = attention(q, k, v, attn_mask, dropout, causal)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
         return self.dense(ctx)  # [b, s, h], replicated
 
@@ -98,7 +104,7 @@ class TransformerLayer(nn.Module):
         self.dropout = cfg.hidden_dropout
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | None, kv_cache: KVCache | None = None
+        self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
     ) -> Tensor:
         # The sublayer outputs are replicated across TP ranks, so this dropout uses the shared
         # generator and every rank drops the same elements.
@@ -111,7 +117,8 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerStack(nn.Module):
-    """N layers, a final LayerNorm when pre-LN, and optional full activation recomputation."""
+    """N layers, a final LayerNorm when pre-LN, optional full activation recomputation, and
+    optional ``torch.compile`` of each layer (``model.compile``)."""
 
     def __init__(self, cfg, state: ParallelState, tracker: RNGTracker):
         super().__init__()
@@ -125,13 +132,22 @@ class TransformerStack(nn.Module):
             )
         self.recompute = cfg.recompute == "full"
         self.tracker = tracker
+        # Regional compilation (model.compile): each layer on its own, so layers share one
+        # compiled graph and nothing outside them is traced. Decoding with a KV cache stays
+        # eager: the cache length changes every step and would recompile the layer each time.
+        self.compiled = [torch.compile(layer) for layer in self.layers] if cfg.compile else None
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | None = None, kv_cache: KVCache | None = None
+        self,
+        x: Tensor,
+        attn_mask: Tensor | BlockMask | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         """``kv_cache`` (inference): each layer attends over and extends it; it then counts
         the new positions as cached."""
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if self.compiled is not None and kv_cache is None:
+                layer = self.compiled[i]
             if self.recompute and self.training:
                 x = torch.utils.checkpoint.checkpoint(
                     layer,

@@ -1,19 +1,25 @@
 """AdamW over fp32 main parameters, with loss scaling, a world-wide overflow check and
-tensor-parallel-aware global-norm clipping.
+tensor-parallel-aware global-norm clipping, in one host sync.
 
-One step, in order:
+One step, in order, all of it queued on the device without waiting for it:
 
 1. gradients: ``param.main_grad`` (fp32, summed over micro-batches and averaged over DP by
-   megatron/parallel/data_parallel.py), else ``param.grad`` (no DP wrapper), in fp32;
+   megatron/parallel/data_parallel.py; the TP linears' weights add into it in their own
+   backward and never hold a ``.grad``), else ``param.grad`` (no DP wrapper), in fp32;
 2. unscale them (fp16 only);
-3. non-finite check, agreed by every rank through one all-reduce (MAX) over the world: all ranks
-   must skip together or the replicas drift apart;
+3. non-finite check, agreed by every rank through one all-reduce (a sum) over the world: all ranks
+   must skip together or the replicas drift apart. The caller's own values to sum over the world
+   (the loop's metrics and exit flags) ride in the same all-reduce;
 4. global L2 norm: a TP-split parameter (``tp_split_dim`` set) holds a different slice on each TP
    rank, so every TP rank adds its slice; a replicated one (LayerNorm, row-parallel bias) holds the
    same gradient on every TP rank, so only TP rank 0 adds it. The squared sum is all-reduced over
    the TP group; after the DP all-reduce every DP replica already holds the same gradients;
-5. skip everything on a non-finite value (the caller must then skip its LR step as well), else
-   clip to ``clip_grad``, run AdamW on the fp32 main params, copy them back to the model's dtype.
+5. clip to ``clip_grad`` (the coefficient min(1, clip / norm) stays on the device), run AdamW on
+   the fp32 main params, copy them back to the model's dtype. On a non-finite value the fused
+   AdamW kernel reads the agreed flag and changes nothing (moments, step count, parameters), so
+   the copy-back rewrites the unchanged values; the caller must then skip its LR step as well;
+6. the step's one host sync: read the flag, the norm and the caller's sums, after the last kernel,
+   so that a clock stopped after ``step()`` has timed all of it.
 
 Low-precision (bf16/fp16) parameters get fp32 main copies; fp32 parameters are their own main.
 """
@@ -21,6 +27,7 @@ Low-precision (bf16/fp16) parameters get fp32 main copies; fp32 parameters are t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +49,7 @@ class StepResult:
     grad_norm: float  # global L2 norm before clipping (inf or nan when not updated)
     found_inf: bool  # a non-finite gradient on any rank (the loop counts these)
     loss_scale: float  # the scale this step's loss was multiplied by
+    sums: Sequence[float] = ()  # the caller's ``extras``, summed over the world
 
 
 def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
@@ -88,15 +96,10 @@ class MixedPrecisionOptimizer:
             for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
             if ps
         ]
-        # The fused kernel updates every parameter in a few launches on GPU; foreach elsewhere.
-        fused = self.device.type == "cuda"
+        # Fused (on CPU too): every parameter in a few launches, and the only variant that skips
+        # on a device-side overflow flag, which keeps the host from waiting mid-step.
         self.inner = torch.optim.AdamW(
-            groups,
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            fused=fused,
-            foreach=not fused,
+            groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True
         )
 
     @property
@@ -132,8 +135,12 @@ class MixedPrecisionOptimizer:
             param.grad = None
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Unscale, check, clip, update and copy back; skip everything on a non-finite value."""
+    def step(self, extras: Tensor | None = None) -> StepResult:
+        """Unscale, check, clip, update and copy back; skip everything on a non-finite value.
+
+        ``extras``: this rank's 1-D values (any float dtype, on the device) to be summed over the
+        world in the step's own all-reduce; the sums come back, in fp64, as ``StepResult.sums``.
+        """
         loss_scale = self.scaler.scale
         grads = self._attach_grads()
         present = [g for g in grads if g is not None]
@@ -142,28 +149,33 @@ class MixedPrecisionOptimizer:
         pairs = [(g, s) for g, s in zip(grads, self._split) if g is not None]
         split = _squared_norm([g for g, s in pairs if s], self.device)
         repl = _squared_norm([g for g, s in pairs if not s], self.device)
-        found = (~torch.isfinite(split + repl)).to(torch.float64)
+        found = (~torch.isfinite(split + repl)).to(torch.float64).reshape(1)
         local = split + repl if self.state.tp_rank == 0 else split
+        summed = found if extras is None else torch.cat([found, extras.to(torch.float64)])
         if self.state.world_size > 1:
-            # Every rank holding part of the model must agree to skip, or replicas diverge.
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            # Every rank holding part of the model must agree to skip, or replicas diverge; the
+            # caller's values ride along, so the step stays one collective over the world.
+            dist.all_reduce(summed)
         if self.state.tp_size > 1:
             # Each TP rank holds other slices of the split parameters; sum the squares.
             dist.all_reduce(local, group=self.state.tp_group)
-        found_inf, squared = torch.stack([found, local]).tolist()  # the one host sync of a step
+        skip = summed[0] > 0
+        if self.clip_grad > 0:
+            # min(1, clip / norm) in fp64 like a host-side coefficient, then fp32 like the
+            # scalar a host-side multiply would use: the same numbers, without a sync.
+            coeff = (self.clip_grad / (local.sqrt() + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(present, coeff.to(torch.float32))
+        self.inner.found_inf = skip.to(torch.float32)  # read by the fused kernel: skip on device
+        self.inner.step()
+        if self._lowp:
+            torch._foreach_copy_([p for p, _ in self._lowp], [m for _, m in self._lowp])
+        # The one host sync of a step, after its last kernel: the agreed flag, the norm, the sums.
+        found_inf, *sums, squared = torch.cat([summed, local.reshape(1)]).tolist()
         grad_norm = math.sqrt(squared) if squared >= 0 else math.nan
-        found_inf = bool(found_inf)
-        if not found_inf:
-            if self.clip_grad > 0:
-                coeff = self.clip_grad / (grad_norm + 1e-6)
-                if coeff < 1.0:
-                    torch._foreach_mul_(present, coeff)
-            self.inner.step()
-            if self._lowp:
-                torch._foreach_copy_([p for p, _ in self._lowp], [m for _, m in self._lowp])
+        found_inf = found_inf > 0
         self.scaler.update(found_inf)
         self._release_grads()
-        return StepResult(not found_inf, grad_norm, found_inf, loss_scale)
+        return StepResult(not found_inf, grad_norm, found_inf, loss_scale, tuple(sums))
 
     def zero_grad(self) -> None:
         """Drop ``.grad`` of model and main params (DataParallel.zero_grad_buffer zeroes

@@ -3,9 +3,13 @@
 Every trainable parameter gets ``param.main_grad``, an fp32 view into one flat buffer that is cut
 into buckets of about ``bucket_size_mb``. A post-accumulate-grad hook adds each fresh ``param.grad``
 into ``main_grad`` and frees ``param.grad``, so gradients accumulate in fp32 over micro-batches
-whatever the model dtype. On the last micro-batch of a step (outside ``no_sync()``), a bucket
-whose parameters all have their gradient is divided by the DP size and all-reduced asynchronously
-while backward goes on producing the next buckets; ``finish_grad_sync()`` waits for them.
+whatever the model dtype. The TP linears' weights skip that step: their backward adds the weight
+gradient into ``main_grad`` itself (megatron/parallel/layers.py, gradient-accumulation fusion),
+so no low-precision ``.grad`` exists for them and the hook, which autograd still runs, only
+counts them. On the last micro-batch of a step (outside ``no_sync()``), a bucket whose parameters
+all have their gradient is averaged over DP by an asynchronous all-reduce (``ReduceOp.AVG`` on
+NCCL; divided first, then summed, on gloo) while backward goes on producing the next buckets;
+``finish_grad_sync()`` waits for them.
 
 Buckets follow the reverse of registration order, roughly the order backward produces gradients,
 and are launched strictly in bucket order, so every DP rank issues the same collectives in the
@@ -33,6 +37,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron.parallel.state import ParallelState
+
+
+def mean_op(backend: str) -> dist.ReduceOp | None:
+    """The reduction that averages over a group of ``backend``: ``ReduceOp.AVG`` on NCCL (the
+    division rides inside the collective, no extra pass over the bucket), None where the backend
+    has no AVG (gloo): the caller divides by the group size first and sums."""
+    return dist.ReduceOp.AVG if backend == "nccl" else None
 
 
 @dataclass
@@ -70,6 +81,7 @@ class DataParallel:
                 self.buckets.append(bucket)
                 self._bucket_of.update({id(p): bucket for p in members})
                 start, members = end, []
+        self._avg = mean_op(dist.get_backend(self.group)) if self.dp_size > 1 else None
         self._sync = True
         self._next = 0  # index of the first bucket not yet launched this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -90,8 +102,9 @@ class DataParallel:
                 "a gradient arrived after its bucket was all-reduced; run every backward but the "
                 "last of a step inside no_sync(), then finish_grad_sync()"
             )
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None:  # None: a fused TP linear already added it into main_grad
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if self._sync:
             bucket.ready += 1
             # In bucket order only, so all DP ranks issue the same collectives in the same order.
@@ -104,10 +117,12 @@ class DataParallel:
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.dp_size > 1:
-            # Divide first (exact for power-of-two DP sizes): the SUM is then the mean, and gloo
-            # has no AVG reduction.
-            bucket.flat.div_(self.dp_size)
-            bucket.handle = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            op = self._avg
+            if op is None:
+                # No AVG here (gloo): divide first (exact for power-of-two DP sizes), then SUM.
+                bucket.flat.div_(self.dp_size)
+                op = dist.ReduceOp.SUM
+            bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.group, async_op=True)
         bucket.launched = True
         self._next += 1
 

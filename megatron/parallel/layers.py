@@ -6,13 +6,19 @@ carries ``tp_split_dim``; replicated ones carry nothing. Clipping, weight-decay 
 checkpoint resharding all read that one attribute. A parameter whose dim 0 is the padded
 vocabulary (the word table, BERT's LM-head bias) also carries ``vocab_padded = True``, so
 resharding knows which rows are padding.
+
+The column- and row-parallel matmuls run through ``LinearWithGradReduce`` when it pays: it
+overlaps the column-parallel input-gradient all-reduce with the weight-gradient matmul, and adds
+the weight gradient straight into the fp32 ``main_grad`` that DataParallel gives each parameter.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -57,6 +63,104 @@ def _sharded_param(
     return param
 
 
+def async_grad_allreduce_pays(device: torch.device) -> bool:
+    """Whether overlapping the input-gradient all-reduce with the weight-gradient matmul pays.
+
+    On CUDA only with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the launch scripts set it): with one
+    hardware queue kernels start in issue order, so the all-reduce issued before the wgrad GEMM
+    gets its SMs first and runs alongside it; with several queues the GEMM can take every SM and
+    the all-reduce waits behind it anyway. On CPU it stays off unless a layer is told otherwise:
+    gloo's reduce and the matmul share the same few cores, and the gain there is unmeasured.
+    """
+    return device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+
+
+def _accumulate_wgrad(main_grad: Tensor, grad_2d: Tensor, x_2d: Tensor) -> None:
+    """main_grad += dY^T X in place, summed in fp32 whatever the dtype of dY [t, out], X [t, in]."""
+    if grad_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), x_2d)
+    elif main_grad.is_cuda:
+        # cuBLAS multiplies bf16/fp16 with fp32 accumulation straight into the fp32 buffer (apex's
+        # wgrad_gemm_accum_fp32): no upcast copies, no low-precision [out, in] temporary.
+        torch.addmm(main_grad, grad_2d.t(), x_2d, out_dtype=torch.float32, out=main_grad)
+    else:
+        # CPU kernels have no mixed-dtype matmul; bf16 products are exact in fp32 anyway.
+        main_grad.addmm_(grad_2d.t().float(), x_2d.float())
+
+
+class LinearWithGradReduce(torch.autograd.Function):
+    """Y = X A^T + b (``F.linear``) with a backward that overlaps f's all-reduce and fuses
+    weight-gradient accumulation.
+
+    Backward, in this order::
+
+        dX = dY A             (dgrad; with ``group``, its all-reduce over the group starts now)
+        dA = dY^T X, db = sum dY   (wgrad, computed while dX is on the wire)
+        wait for dX
+
+    With ``group`` this is f followed by the matmul, in one Function: the column-parallel layer
+    passes its TP group instead of wrapping its input in ``copy_to_tp``, so the collective count
+    is unchanged. With ``fuse_wgrad``, dA goes into the weight's fp32 ``main_grad`` in place and
+    the weight gets no ``.grad`` at all (DataParallel's hook then sees ``None`` and only counts
+    it); the bias gradient (small) takes the ordinary path either way.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        group: dist.ProcessGroup | None,
+        fuse_wgrad: bool,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        # Held here, not read off the saved weight in backward: activation recomputation hands
+        # backward a fresh tensor for each saved one, without the parameter's attributes.
+        ctx.main_grad = weight.main_grad if fuse_wgrad else None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # [tokens, out]
+        x_2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        grad_x = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_2d.mm(weight).view_as(x)  # [..., in]
+            if ctx.group is not None:
+                # A fresh tensor nobody else reads before the wait: reduced in place.
+                handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            if ctx.main_grad is not None:
+                _accumulate_wgrad(ctx.main_grad, grad_2d, x_2d)
+            else:
+                # The product autograd's linear forms ((X^T dY)^T), so both paths match exactly.
+                grad_weight = x_2d.t().mm(grad_2d).t()  # [out, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(0)  # [out]
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _linear(
+    x: Tensor,
+    weight: nn.Parameter,
+    bias: Tensor | None,
+    fuse_wgrad: bool,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """F.linear, or LinearWithGradReduce when there is a reduce to overlap or a ``main_grad``
+    to accumulate into (DataParallel's fp32 buffer)."""
+    fuse_wgrad = fuse_wgrad and getattr(weight, "main_grad", None) is not None
+    if group is None and not fuse_wgrad:
+        return F.linear(x, weight, bias)
+    return LinearWithGradReduce.apply(x, weight, bias, group, fuse_wgrad)
+
+
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {tp}")
@@ -67,7 +171,10 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: A = [A_1, ..., A_p], b = [b_1, ..., b_p].
 
     Rank i computes Y_i = X A_i + b_i. The input goes through f (its gradient is all-reduced);
-    the output stays split unless ``gather_output``.
+    the output stays split unless ``gather_output``. ``async_grad_allreduce`` overlaps that
+    all-reduce with the weight-gradient matmul (None: where ``async_grad_allreduce_pays``);
+    ``gradient_accumulation_fusion`` adds the weight gradient into ``weight.main_grad`` (fp32)
+    when the weight has one. Both are plain attributes, so they can be switched after building.
     """
 
     def __init__(
@@ -79,11 +186,17 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         device: torch.device | None = None,
+        async_grad_allreduce: bool | None = None,
+        gradient_accumulation_fusion: bool = True,
     ):
         super().__init__()
         self.group, self.gather_output = state.tp_group, gather_output
         self.out_per_partition = _divide(out_features, state.tp_size, "out_features")
         device = device or state.device
+        if async_grad_allreduce is None:
+            async_grad_allreduce = async_grad_allreduce_pays(device)
+        self.async_grad_allreduce = async_grad_allreduce and state.tp_size > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         # nn.Linear stores A transposed, [out, in], so a column split is a split of dim 0.
         self.weight = _sharded_param((out_features, in_features), 0, state, init, device)
         self.bias = None
@@ -92,7 +205,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias.tp_split_dim = 0
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        fuse = self.gradient_accumulation_fusion
+        if self.async_grad_allreduce:  # f's all-reduce happens inside the linear's backward
+            y = _linear(x, self.weight, self.bias, fuse, self.group)
+        else:
+            y = _linear(copy_to_tp(x, self.group), self.weight, self.bias, fuse)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -100,7 +217,8 @@ class RowParallelLinear(nn.Module):
     """Y = X A + b with A split by rows and X by columns: A = [A_1; ...; A_p], X = [X_1, ..., X_p].
 
     Rank i computes X_i A_i; g all-reduces the partial sums, then the replicated bias is added
-    once. The input must already be split along its last dimension.
+    once. The input must already be split along its last dimension. ``gradient_accumulation_fusion``
+    as in ColumnParallelLinear (nothing to overlap here: the input gradient needs no reduce).
     """
 
     def __init__(
@@ -111,18 +229,21 @@ class RowParallelLinear(nn.Module):
         init: InitMethod,
         bias: bool = True,
         device: torch.device | None = None,
+        gradient_accumulation_fusion: bool = True,
     ):
         super().__init__()
         self.group, self.tp_size = state.tp_group, state.tp_size
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_per_partition = _divide(in_features, state.tp_size, "in_features")
         device = device or state.device
         self.weight = _sharded_param((out_features, in_features), 1, state, init, device)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        fuse = self.gradient_accumulation_fusion
         if self.tp_size == 1:  # nothing to reduce: let the matmul add the bias (no extra pass)
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+            return _linear(x, self.weight, self.bias, fuse)
+        y = reduce_from_tp(_linear(x, self.weight, None, fuse), self.group)
         return y if self.bias is None else y + self.bias
 
 

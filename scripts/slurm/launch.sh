@@ -82,6 +82,11 @@ MASTER_ADDR=${HOSTS%%$'\n'*}
 # Derived from the job id so two jobs sharing a node do not collide; a requeued job reuses it.
 MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 export MASTER_ADDR MASTER_PORT
+# One CUDA hardware queue per process: kernels then start in the order they are issued, so the
+# column-parallel layers' input-gradient all-reduce, issued before their weight-gradient GEMM,
+# really runs alongside it (megatron/parallel/layers.py turns that overlap on only with this set).
+# srun passes the environment on to every task.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 if [[ $LAUNCHER != torchrun && $LAUNCHER != srun ]]; then
     echo "LAUNCHER=$LAUNCHER is unknown; use torchrun or srun" >&2

@@ -1,0 +1,78 @@
+"""Attention within documents, built on the device from per-token document ids.
+
+With ``data.reset_attention_mask`` a sample packs several documents, and a token attends only to
+earlier tokens of its own document. The batch carries ``document_ids`` [b, s] (made by
+``megatron.data.gpt_dataset.ltor_masks``) instead of a dense [b, 1, s, s] mask; the model turns
+them into one mask per forward pass on the device, shared by every layer:
+
+- on CUDA, when attention dropout is off (flex attention has none): a flex-attention
+  ``BlockMask``, so whole blocks outside the documents are skipped and the kernel stays fused;
+- otherwise: an additive [b, 1, s, s] mask (0 / -inf) in the activations' dtype for
+  ``scaled_dot_product_attention``, made once rather than converted from bool in every layer.
+
+Both say exactly ``key <= query and doc[key] == doc[query]``, Megatron's reset attention mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # torch >= 2.5; older builds keep the dense mask everywhere
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the installed torch
+    BlockMask = create_block_mask = flex_attention = None
+
+
+def uses_flex(device: torch.device, dropout: float) -> bool:
+    """Whether ``document_mask`` gives a BlockMask: CUDA, flex attention available, no dropout."""
+    return flex_attention is not None and device.type == "cuda" and dropout == 0.0
+
+
+def document_mask(doc: Tensor, dtype: torch.dtype, flex: bool) -> Tensor | BlockMask:
+    """The causal within-document mask of ``doc`` [b, s] for every layer of one forward pass.
+
+    ``flex``: a BlockMask for ``attention``; else additive float ``dtype`` [b, 1, s, s].
+    """
+    b, s = doc.shape
+    if flex:
+
+        def same_document_causal(batch, head, query, key):
+            return (key <= query) & (doc[batch, query] == doc[batch, key])
+
+        return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
+    positions = torch.arange(s, device=doc.device)
+    causal = positions[None, :] <= positions[:, None]  # [s_query, s_key]
+    allowed = causal & (doc[:, None, :, None] == doc[:, None, None, :])  # [b, 1, s, s]
+    mask = torch.zeros(b, 1, s, s, dtype=dtype, device=doc.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+@functools.cache
+def _fused_flex():
+    """flex_attention compiled once: run eagerly it materialises the full score matrix."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, dropout: float, causal: bool
+) -> Tensor:
+    """Scaled dot-product attention of [b, heads, s, head_dim] q, k, v under ``mask``.
+
+    A BlockMask goes to flex attention, which has no dropout (``uses_flex`` sees to that).
+    Any other mask, or ``causal`` with none, goes to ``scaled_dot_product_attention``.
+    """
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        if dropout:
+            raise ValueError("flex attention has no dropout; use the additive document mask")
+        if torch.compiler.is_compiling() or not q.is_cuda:
+            # In a compiled layer dynamo fuses it into the layer's graph; on CPU the eager
+            # (unfused, exact) form is what the tests check the mask with.
+            return flex_attention(q, k, v, block_mask=mask)
+        return _fused_flex()(q, k, v, block_mask=mask)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
+    )
