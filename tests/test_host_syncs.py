@@ -73,12 +73,12 @@ def _syncs_per_iteration(model: str, overrides: list[str]) -> list[int]:
     """pretrain_<model>'s ``main`` on this (spawned) rank, counting; each iteration's syncs."""
     import importlib
 
-    from megatron import training
+    from megatron import train_loop, training
 
     entry = importlib.import_module(f"pretrain_{model}")
     counter = SyncCounter().install()
     marks: list[int] = []
-    train_step, run = training._Loop.train_step, training._Loop.run
+    train_step, run = train_loop.TrainLoop.train_step, train_loop.TrainLoop.run
 
     def marked_step(self: Any, data: Iterator, policy: Any) -> Any:
         marks.append(counter.count)
@@ -90,7 +90,7 @@ def _syncs_per_iteration(model: str, overrides: list[str]) -> list[int]:
         marks.append(counter.count)
         return code
 
-    training._Loop.train_step, training._Loop.run = marked_step, counted_run
+    train_loop.TrainLoop.train_step, train_loop.TrainLoop.run = marked_step, counted_run
     argv = ["--config", f"configs/{model}_tiny.yaml", *overrides]
     providers = entry.model_provider, entry.datasets_provider, entry.forward_step
     assert training.main(argv, "", *providers, model_type=model) == 0
