@@ -35,12 +35,26 @@ from megatron.data.tokenizer_base import Tokenizer
 from megatron.interop.mapping import (
     ACTIVATION_TO_HF,
     Architecture,
+    ConfigKeys,
     Rule,
     activation_from_hf,
+    from_hf_config,
     layer_rules,
     require,
+    to_hf_config,
 )
 
+_CONFIG_KEYS: ConfigKeys = {
+    "num_layers": ("num_hidden_layers", 12),
+    "hidden_size": ("hidden_size", 768),
+    "num_attention_heads": ("num_attention_heads", 12),
+    "ffn_hidden_size": ("intermediate_size", 3072),
+    "max_position_embeddings": ("max_position_embeddings", 512),
+    "hidden_dropout": ("hidden_dropout_prob", 0.1),
+    "attention_dropout": ("attention_probs_dropout_prob", 0.1),
+    "layernorm_epsilon": ("layer_norm_eps", 1e-12),
+    "init_method_std": ("initializer_range", 0.02),
+}
 _TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
 _POSITIONS = "bert.embeddings.position_embeddings.weight"
 _QKV = "attention.self.query.{p} attention.self.key.{p} attention.self.value.{p}"
@@ -140,17 +154,9 @@ class Bert(Architecture):
             "architectures": [self.name],
             "model_type": self.model_type,
             "vocab_size": vocab_size,
-            "hidden_size": m.hidden_size,
-            "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_attention_heads,
-            "intermediate_size": m.ffn_hidden_size,
+            **to_hf_config(_CONFIG_KEYS, m),
             "hidden_act": ACTIVATION_TO_HF[m.activation],
-            "hidden_dropout_prob": m.hidden_dropout,
-            "attention_probs_dropout_prob": m.attention_dropout,
-            "max_position_embeddings": m.max_position_embeddings,
             "type_vocab_size": max(cfg.bert.num_tokentypes, 1),
-            "initializer_range": m.init_method_std,
-            "layer_norm_eps": m.layernorm_epsilon,
             "pad_token_id": tokenizer.pad if tokenizer.pad is not None else 0,
             "position_embedding_type": "absolute",
             "tie_word_embeddings": True,
@@ -161,21 +167,12 @@ class Bert(Architecture):
         require(hf, "position_embedding_type", "absolute", where)
         require(hf, "is_decoder", False, where)
         require(hf, "add_cross_attention", False, where)
-        h, positions = hf.get("hidden_size", 768), hf.get("max_position_embeddings", 512)
-        model = {
-            "num_layers": hf.get("num_hidden_layers", 12),
-            "hidden_size": h,
-            "num_attention_heads": hf.get("num_attention_heads", 12),
-            "ffn_hidden_size": hf.get("intermediate_size", 3072),
-            "seq_length": positions,
-            "max_position_embeddings": positions,
-            "hidden_dropout": hf.get("hidden_dropout_prob", 0.1),
-            "attention_dropout": hf.get("attention_probs_dropout_prob", 0.1),
-            "layernorm_position": self.layernorm_position,
-            "layernorm_epsilon": hf.get("layer_norm_eps", 1e-12),
-            "init_method_std": hf.get("initializer_range", 0.02),
-            "activation": activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act", where),
-        }
+        model = from_hf_config(_CONFIG_KEYS, hf)
+        model.update(
+            seq_length=model["max_position_embeddings"],
+            layernorm_position=self.layernorm_position,
+            activation=activation_from_hf(hf.get("hidden_act", "gelu"), "hidden_act", where),
+        )
         types = hf.get("type_vocab_size", 2)
         bert = {
             # Our data pipeline makes sentence-order pairs; the head is the same classifier.

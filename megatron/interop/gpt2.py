@@ -23,10 +23,13 @@ from megatron.errors import ConfigError
 from megatron.interop.mapping import (
     ACTIVATION_TO_HF,
     Architecture,
+    ConfigKeys,
     Rule,
     activation_from_hf,
+    from_hf_config,
     layer_rules,
     require,
+    to_hf_config,
 )
 
 _LAYER = [
@@ -43,6 +46,18 @@ _LAYER = [
     ("mlp.fc2.weight", "mlp.c_proj.weight", "t"),
     ("mlp.fc2.bias", "mlp.c_proj.bias", "same"),
 ]
+
+
+_CONFIG_KEYS: ConfigKeys = {
+    "num_layers": ("n_layer", 12),
+    "hidden_size": ("n_embd", 768),
+    "num_attention_heads": ("n_head", 12),
+    "max_position_embeddings": ("n_positions", 1024),
+    "hidden_dropout": ("resid_pdrop", 0.1),
+    "attention_dropout": ("attn_pdrop", 0.1),
+    "layernorm_epsilon": ("layer_norm_epsilon", 1e-5),
+    "init_method_std": ("initializer_range", 0.02),
+}
 
 
 class GPT2(Architecture):
@@ -79,17 +94,10 @@ class GPT2(Architecture):
             "architectures": [self.name],
             "model_type": self.model_type,
             "vocab_size": vocab_size,
-            "n_positions": m.max_position_embeddings,
-            "n_embd": m.hidden_size,
-            "n_layer": m.num_layers,
-            "n_head": m.num_attention_heads,
+            **to_hf_config(_CONFIG_KEYS, m),
             "n_inner": m.ffn_hidden_size,
             "activation_function": ACTIVATION_TO_HF[m.activation],
-            "resid_pdrop": m.hidden_dropout,
             "embd_pdrop": m.hidden_dropout,
-            "attn_pdrop": m.attention_dropout,
-            "layer_norm_epsilon": m.layernorm_epsilon,
-            "initializer_range": m.init_method_std,
             "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
@@ -104,20 +112,12 @@ class GPT2(Architecture):
         require(hf, "scale_attn_by_inverse_layer_idx", False, where)
         require(hf, "reorder_and_upcast_attn", False, where)
         require(hf, "add_cross_attention", False, where)
-        h, positions = hf.get("n_embd", 768), hf.get("n_positions", 1024)
+        model = from_hf_config(_CONFIG_KEYS, hf)
         activation = hf.get("activation_function", "gelu_new")
-        model = {
-            "num_layers": hf.get("n_layer", 12),
-            "hidden_size": h,
-            "num_attention_heads": hf.get("n_head", 12),
-            "ffn_hidden_size": hf.get("n_inner") or 4 * h,
-            "seq_length": positions,
-            "max_position_embeddings": positions,
-            "hidden_dropout": hf.get("resid_pdrop", 0.1),
-            "attention_dropout": hf.get("attn_pdrop", 0.1),
-            "layernorm_position": "pre",
-            "layernorm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
-            "init_method_std": hf.get("initializer_range", 0.02),
-            "activation": activation_from_hf(activation, "activation_function", where),
-        }
+        model.update(
+            ffn_hidden_size=hf.get("n_inner") or 4 * model["hidden_size"],
+            seq_length=model["max_position_embeddings"],
+            layernorm_position="pre",
+            activation=activation_from_hf(activation, "activation_function", where),
+        )
         return {"model": model}

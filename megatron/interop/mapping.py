@@ -122,6 +122,22 @@ def activation_from_hf(name: object, key: str, where: str) -> str:
     return ACTIVATION_FROM_HF[name]
 
 
+# Our model.* key -> (config.json key, HF's default when config.json omits it): one table per
+# architecture, read by export (``to_hf_config``) and import (``from_hf_config``) alike.
+ConfigKeys = dict[str, tuple[str, Any]]
+
+
+def to_hf_config(keys: ConfigKeys, model: Any) -> dict[str, Any]:
+    """config.json's values of the keys in ``keys`` from our ``model`` section."""
+    return {hf_key: getattr(model, ours) for ours, (hf_key, _) in keys.items()}
+
+
+def from_hf_config(keys: ConfigKeys, hf: dict[str, Any]) -> dict[str, Any]:
+    """Our model.* values of the keys in ``keys`` from config.json (HF's defaults for absent
+    keys)."""
+    return {ours: hf.get(hf_key, default) for ours, (hf_key, default) in keys.items()}
+
+
 def require(hf: dict[str, Any], key: str, wanted: object, where: str) -> None:
     """ConfigError unless config.json's ``key`` is absent (HF's default: ``wanted``) or equals
     ``wanted``."""
