@@ -28,6 +28,7 @@ from megatron.atomic_file import write_atomic  # noqa: E402
 from megatron.data.tokenizer_base import Tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.generation import Generation, check_prompts, generate  # noqa: E402
+from megatron.inference.jsonl import read_records  # noqa: E402
 from megatron.inference.loading import (  # noqa: E402
     add_tokenizer_flags,
     load_for_inference,
@@ -69,21 +70,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def read_requests(path: str) -> list[dict]:
     """The JSON objects of ``path``, each with a string "prompt"; blank lines are skipped."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--input {path}: no such file; give a JSONL file of prompts")
-    requests = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--input {path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ConfigError(f'--input {path}:{n}: want an object with a "prompt" string')
-            requests.append(obj)
-    return requests
+    return [record for _, record in read_records(path, "prompt", '{"prompt": "..."}')]
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -6,7 +6,6 @@ a bad input stops the run before the model is loaded.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -16,6 +15,7 @@ from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.splits import SPLIT_NAMES, split_ranges
 from megatron.data.tokenizer_base import Tokenizer
 from megatron.errors import ConfigError
+from megatron.inference.jsonl import read_records
 
 # The last word and what comes before it, both without their edge whitespace.
 _LAST_WORD = re.compile(r"\s*(.*\S)\s+(\S+)\s*", re.DOTALL)
@@ -53,29 +53,14 @@ def read_lambada(path: str) -> list[str]:
 
     Each text needs two words at least: a context and the last word to predict.
     """
-    if not os.path.isfile(path):
-        raise ConfigError(f"--input {path}: no such file; give the LAMBADA .jsonl file")
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--input {path}:{number}: not JSON ({e.msg})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ConfigError(
-                    f'--input {path}:{number}: no "text" string; LAMBADA lines are '
-                    '{"text": "context ... last_word"}'
-                )
-            if _LAST_WORD.fullmatch(text) is None:
-                raise ConfigError(
-                    f"--input {path}:{number}: under two words; an example needs a context "
-                    "and a last word"
-                )
-            texts.append(text)
+    for number, record in read_records(path, "text", '{"text": "context ... last_word"}'):
+        if _LAST_WORD.fullmatch(record["text"]) is None:
+            raise ConfigError(
+                f"--input {path}:{number}: under two words; an example needs a context "
+                "and a last word"
+            )
+        texts.append(record["text"])
     if not texts:
         raise ConfigError(f"--input {path}: holds no examples; give JSONL lines with a text")
     return texts
