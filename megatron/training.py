@@ -38,7 +38,7 @@ from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.logging import MetricsLogger, Workload, log, setup_logging
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import build_optimizer
+from megatron.optim.optimizer import DTYPES, build_optimizer
 from megatron.parallel import state as parallel_state
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.random import RNGTracker
@@ -49,7 +49,6 @@ from megatron.train_loop import Batch, ForwardStep, Progress, TrainLoop
 ModelProvider = Callable[[Config, int, int, ParallelState, RNGTracker], nn.Module]
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEER_FAILURE = 1  # exit code when a peer died or froze
 
 

@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (  # noqa: E402
-    DTYPES,
     add_tokenizer_flags,
     newest_checkpoint,
     tokenizer_overrides,
@@ -27,6 +26,7 @@ from megatron.inference.loading import (  # noqa: E402
 from megatron.interop.export import export_hf  # noqa: E402
 from megatron.interop.hf_tokenizer import tokenizer_note  # noqa: E402
 from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
+from megatron.optim.optimizer import DTYPES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

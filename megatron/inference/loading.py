@@ -12,7 +12,6 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from megatron import checkpointing
@@ -23,11 +22,11 @@ from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
+from megatron.optim.optimizer import DTYPES
 from megatron.parallel import state as parallel_state
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Megatron-style flags of generate.py and evaluate.py, and the config key each overrides.
 TOKENIZER_FLAGS = {
     "tokenizer_type": "tokenizer.type",

@@ -14,9 +14,10 @@ from torch import Tensor
 
 from megatron.checkpoint_reshard import read_meta
 from megatron.config_load import config_from_dict
-from megatron.inference.loading import DTYPES, model_type
+from megatron.inference.loading import model_type
 from megatron.interop.hf_files import read_config
 from megatron.interop.ours import load_serial
+from megatron.optim.optimizer import DTYPES
 
 TOLERANCE = 1e-4
 

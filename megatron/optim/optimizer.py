@@ -40,6 +40,9 @@ from megatron.errors import ConfigError
 from megatron.optim.grad_scaler import GradScaler, build_grad_scaler
 from megatron.parallel.state import ParallelState
 
+# The torch dtype of each precision.dtype name.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class StepResult:
