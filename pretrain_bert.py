@@ -32,7 +32,15 @@ def model_provider(
             "use 2 (or 0 for no token-type embedding)"
         )
     return BertModel(
-        cfg.model, vocab_size, padded_vocab_size, state, tracker, b.num_tokentypes, b.binary_head
+        cfg.model,
+        vocab_size,
+        padded_vocab_size,
+        state,
+        tracker,
+        b.num_tokentypes,
+        b.binary_head,
+        cfg.parallel.sequence_parallel,
+        cfg.parallel.virtual_pipeline_size or 1,  # this pipeline stage's model chunks
     )
 
 
@@ -56,14 +64,17 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 
 
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Masked-LM loss (mean over masked tokens) plus the binary head's cross entropy."""
+    """Masked-LM loss (mean over masked tokens) plus the binary head's cross entropy; on a
+    pipeline stage whose output goes on to the next, that output and no metrics."""
     lm, binary = model(
         batch["text"],
         batch["types"],
         batch["padding_mask"],
         labels=batch["labels"],
         masked_positions=batch["masked_positions"],  # a fixed width: no host sync for the head
-    )  # [b, s] fp32, [b, 2]
+    )  # [b, s] fp32, [b, 2]; or the activation for the next stage, None
+    if not model.computes_loss:
+        return lm, {}
     mask = batch["loss_mask"]
     lm_loss = (lm * mask).sum() / mask.sum()
     if binary is None:

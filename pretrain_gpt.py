@@ -22,7 +22,11 @@ from megatron.training import main
 def model_provider(
     cfg: Config, vocab_size: int, padded_vocab_size: int, state: ParallelState, tracker: RNGTracker
 ) -> nn.Module:
-    return GPTModel(cfg.model, vocab_size, padded_vocab_size, state, tracker)
+    p = cfg.parallel
+    chunks = p.virtual_pipeline_size or 1  # this pipeline stage's model chunks
+    return GPTModel(
+        cfg.model, vocab_size, padded_vocab_size, state, tracker, p.sequence_parallel, chunks
+    )
 
 
 def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int]):
@@ -42,13 +46,17 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 
 
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean per-token loss over the tokens the loss mask keeps."""
-    losses = model(
+    """Mean per-token loss over the tokens the loss mask keeps; on a pipeline stage whose output
+    goes on to the next, that output and no metrics."""
+    output = model(
         batch["tokens"],
         batch["position_ids"],
         batch.get("document_ids"),  # present with data.reset_attention_mask
         labels=batch["labels"],
-    )  # [b, s], fp32
+    )  # [b, s] fp32 losses, or the activation for the next stage
+    if not model.computes_loss:
+        return output, {}
+    losses = output
     mask = batch["loss_mask"]
     loss = (losses * mask).sum() / mask.sum()
     return loss, {"lm loss": loss.detach()}

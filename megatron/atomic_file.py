@@ -29,3 +29,11 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Write ``data`` to a new file at ``path`` and fsync it before returning."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

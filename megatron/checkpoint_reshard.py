@@ -1,10 +1,16 @@
 """Reading checkpoints: their files and metadata, checked, and their tensors at any TP size.
 
-The tensor file of TP rank t (``model_optim_tp{t:02d}.safetensors``) holds that rank's slices
+The tensor file of TP rank t (``model_optim_tp{t:02d}.safetensors``; of TP rank t of pipeline
+stage p, ``model_optim_tp{t:02d}_pp{p:03d}.safetensors``, when PP > 1) holds that rank's slices
 under flat keys: ``model/<state-dict key>`` and ``optim/<param>/<exp_avg|exp_avg_sq|main|step>``.
+A stage's keys are the whole model's names for what it holds (layers keep their global index), so
+meta.json's ``tensors`` is one layout for every stage and ``stages`` lists each stage's keys;
+megatron.checkpoint_stages reads any key from the stage that saved it.
 meta.json's ``tensors`` records, per key, the split dimension (the parameter's ``tp_split_dim``),
 the full shape over all TP ranks, the dtype, and whether its rows are the vocabulary; its
-``files`` the sha256 of every file.
+``files`` the sha256 of every file. A checkpoint of the distributed optimizer keeps the ``optim/``
+entries in per-(TP, DP) shard files instead (``optim_file``); megatron.checkpoint_optim_shards
+rebuilds them under the same keys, so both kinds are read here alike.
 
 Reading a TP-split tensor saved at TP=a as rank r of TP=c::
 
@@ -46,9 +52,37 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def shard_file(tp_rank: int) -> str:
-    """The tensor file of one TP rank's model and optimizer slices."""
-    return f"model_optim_tp{tp_rank:02d}.safetensors"
+def _stage_tag(pp_rank: int, pp_size: int) -> str:
+    # At PP = 1 the names stay those of checkpoints saved before pipeline parallelism.
+    return f"_pp{pp_rank:03d}" if pp_size > 1 else ""
+
+
+def shard_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The tensor file of one (TP, PP) rank's model and optimizer slices."""
+    return f"model_optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}.safetensors"
+
+
+def optim_file(tp_rank: int, dp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The file of one (TP, PP, DP) rank's distributed-optimizer shard."""
+    return f"optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_dp{dp_rank:03d}.safetensors"
+
+
+def pp_size_of(meta: dict[str, Any]) -> int:
+    """The pipeline size a checkpoint was saved at (1 for those saved before PP existed)."""
+    return meta.get("pp_size", 1)
+
+
+def stage_files(meta: dict[str, Any], pp_rank: int) -> list[str]:
+    """The tensor files of one saved pipeline stage, one per saved TP rank."""
+    return [shard_file(t, pp_rank, pp_size_of(meta)) for t in range(meta["tp_size"])]
+
+
+def optim_files(meta: dict[str, Any]) -> list[str]:
+    """The optimizer shard files of a distributed-optimizer checkpoint; [] for any other."""
+    if not meta.get("distributed_optimizer"):
+        return []
+    pp, tp, dp = pp_size_of(meta), meta["tp_size"], meta["dp_size"]
+    return [optim_file(t, d, p, pp) for p in range(pp) for t in range(tp) for d in range(dp)]
 
 
 def rng_file(rank: int) -> str:
@@ -81,7 +115,8 @@ def read_meta(ckpt_dir: str) -> dict[str, Any]:
     absent = [k for k in _META_KEYS if k not in meta]
     if absent:
         raise ConfigError(f"{path} lacks {absent}; the checkpoint is damaged")
-    expected = [shard_file(t) for t in range(meta["tp_size"])]
+    expected = [n for p in range(pp_size_of(meta)) for n in stage_files(meta, p)]
+    expected += optim_files(meta)
     expected += [rng_file(r) for r in range(meta["world_size"])] if meta["rng"] else []
     missing = [n for n in expected if n not in meta["files"]]
     if missing:
@@ -90,6 +125,16 @@ def read_meta(ckpt_dir: str) -> dict[str, Any]:
     if outside:
         raise ConfigError(f"{path} lists {outside[0]}, outside the checkpoint; it is damaged")
     return meta
+
+
+def missing_file(ckpt_dir: str, meta: dict[str, Any]) -> str | None:
+    """The first file meta.json lists that is absent, as one line naming it; None when all are
+    there. Reads nothing, so every rank can check every file and all ranks agree on the line."""
+    for name in sorted(meta["files"]):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+    return None
 
 
 def check_files(ckpt_dir: str, meta: dict[str, Any], names: list[str]) -> str | None:
@@ -201,17 +246,28 @@ def open_safetensors(path: str) -> Any:
 
 
 class ShardedTensors:
-    """The per-TP-rank tensor files of one checkpoint, read as any rank's slice at any TP size.
+    """The per-TP-rank tensor files of one checkpoint (of one saved pipeline stage: its keys
+    alone), read as any rank's slice at any TP size.
 
     ``layout`` is meta.json's ``tensors``. Files are opened lazily (safetensors maps them) and
     only those a read needs: at an unchanged TP size, a rank touches only its own file.
+    ``optim`` (a distributed-optimizer checkpoint: ``checkpoint_optim_shards.OptimShards``)
+    serves the ``optim/`` keys of its ``layout``, which ``layout`` must include, per saved TP rank.
     """
 
-    def __init__(self, paths: list[str], layout: dict[str, dict[str, Any]], vocab_size: int):
-        self.paths, self.layout, self.vocab_size = paths, layout, vocab_size
+    def __init__(
+        self,
+        paths: list[str],
+        layout: dict[str, dict[str, Any]],
+        vocab_size: int,
+        optim: Any | None = None,
+    ):
+        self.paths, self.layout, self.vocab_size, self.optim = paths, layout, vocab_size, optim
         self._files: dict[int, Any] = {}
 
     def _slice(self, key: str, tp_rank: int) -> Tensor:
+        if self.optim is not None and key in self.optim.layout:
+            return self.optim.get(key, tp_rank)
         if tp_rank not in self._files:
             self._files[tp_rank] = open_safetensors(self.paths[tp_rank])
         try:
@@ -241,21 +297,25 @@ class ShardedTensors:
 
 
 def read_state(
-    files: list[str],
+    source: Any,
+    where: str,
     meta: dict[str, Any],
     model: nn.Module,
     optimizer: Any | None,
     state: ParallelState,
+    model_keys: set[str] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]]]:
     """This rank's model state dict and optimizer entries (``optimizer.load_state_dict``'s
     ``params``; empty without an optimizer), resharded from the checkpoint's TP size to this one.
 
-    ``files``: the checkpoint's tensor files, one per saved TP rank. Raises ConfigError naming
-    the checkpoint when it was saved from another model, or when an optimizer asks for the state
-    of a weights-only checkpoint (meta.json ``weights_only``).
+    ``source``: the checkpoint's tensors (``checkpoint_stages.open_checkpoint``: any key, from
+    the saved stage that holds it); ``where``: its directory, for messages. ``model_keys``: the
+    state-dict keys of the whole model this rank's stage is part of (default: this model's), to
+    refuse a checkpoint holding tensors no stage of it has. Raises ConfigError naming the
+    checkpoint when it was saved from another model, or when an optimizer asks for the state of
+    a weights-only checkpoint (meta.json ``weights_only``).
     """
-    where, layout = os.path.dirname(files[0]), meta["tensors"]
-    source = ShardedTensors(files, layout, meta["vocab_size"])
+    layout = source.layout
     padded = padded_vocab(model, state.tp_size)
 
     def read(key: str, shape: torch.Size) -> Tensor:
@@ -275,7 +335,8 @@ def read_state(
 
     local = model.state_dict()
     weights = {name: read(f"model/{name}", t.shape) for name, t in local.items()}
-    extra = [k for k in layout if k.startswith("model/") and k[len("model/") :] not in local]
+    whole = set(local) if model_keys is None else model_keys
+    extra = [k for k in layout if k.startswith("model/") and k[len("model/") :] not in whole]
     if extra:
         raise ConfigError(
             f"{where} holds {extra[0]}, which this model lacks: it was saved from another model "
@@ -291,7 +352,8 @@ def read_state(
             "--weights-only); start from it with checkpoint.finetune=true"
         )
     params = dict(model.named_parameters())
-    for name in optimizer.state_dict()["params"]:
+    # The names, not state_dict(): the distributed optimizer's is a collective over DP.
+    for name in optimizer.names:
         entry: dict[str, Any] = {}
         for field in ("exp_avg", "exp_avg_sq", "main"):
             if f"optim/{name}/{field}" in layout:

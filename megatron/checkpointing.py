@@ -1,74 +1,92 @@
-"""Checkpoints: one tensor file per TP rank, written atomically, verified on load, reshardable.
+"""Checkpoints: one tensor file per (TP, PP) rank, written by several nodes, atomic, verified.
 
     save_dir/
       latest                          "100\\n": replaced atomically after every rank has finished
       iter_0000100/
-        meta.json                     resolved config, iteration, progress, TP/DP sizes, vocab
-                                      sizes, each tensor's split dim and full shape, LR schedule,
-                                      loss scaler, versions, and the sha256 of every other file
+        meta.json                     resolved config, iteration, progress, TP/PP/DP sizes, vocab
+                                      sizes, each tensor's split dim and full shape, each stage's
+                                      keys (``stages``), LR schedule, loss scaler, versions, the
+                                      sha256 of every other file and the rank that wrote it
+                                      (``writers``)
         model_optim_tp00.safetensors  TP rank t's slices of the weights and of the optimizer's
-        model_optim_tp01.safetensors  main params, moments and steps (from DP rank 0 of TP rank t)
+        model_optim_tp01.safetensors  main params, moments and steps, written by DP rank t % dp;
+                                      with PP > 1 one per (TP, PP) rank,
+                                      model_optim_tp{t:02d}_pp{p:03d}, by DP rank (p*tp + t) % dp
+        optim_tp00_dp000.safetensors  with the distributed optimizer: each (TP, PP, DP) rank's shard
+        ...                           of the optimizer state (megatron.checkpoint_optim_shards);
+                                      the TP files then hold the weights alone
         rng_rank00000.safetensors     each rank's torch CPU/CUDA and TP-tracker states (tensors),
         ...                           python's and numpy's (JSON in the file's header)
 
-Save (collective): rank 0 draws a nonce and broadcasts it; each rank writes and fsyncs its files in
-``iter_0000100.tmp-<nonce>/``; rank 0 gathers their sha256 sums, writes meta.json, renames the
-directory into place, fsyncs ``save_dir``, and only then replaces ``latest``. A process killed at
-any point leaves ``latest`` naming the previous complete checkpoint.
-
-Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
-meta.json parses and whose files match their sha256 (each rank hashes a share) is used, with a
-warning for each one passed over. Tensors go through safetensors, the rest is JSON: nothing is
-ever unpickled.
+Save, in two halves. ``capture`` (on the training thread) takes what this rank writes: live
+tensors for a synchronous save, host copies for a background one (megatron.async_checkpoint).
+``write_and_publish`` (inline, or in the background) does the rest over a gloo group kept for
+checkpoints alone, so no rank ever waits for a save inside an NCCL collective or a group the
+training loop uses: rank 0 draws a nonce; each rank writes and fsyncs its files in
+``iter_0000100.tmp-<nonce>/``, hashing the bytes as it writes them; rank 0 gathers the sums,
+writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only then replaces
+``latest``; last it tells every rank how it went. A process killed at any point leaves
+``latest`` naming the previous complete checkpoint. Loading: megatron.checkpoint_load.
 """
 
 from __future__ import annotations
 
-import glob
+import copy
+import hashlib
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
-from megatron.atomic_file import fsync_path
+from megatron.atomic_file import fsync_path, write_durable
+from megatron.checkpoint_load import (  # noqa: F401  (the public names live here too)
+    LATEST,
+    candidates,
+    checkpoint_dir,
+    find_latest,
+    iterations,
+    load_checkpoint,
+)
+from megatron.checkpoint_optim_shards import is_distributed
+from megatron.checkpoint_optim_shards import shard_tensors as optim_shard_tensors
 from megatron.checkpoint_reshard import (
     FORMAT_VERSION,
     META,
-    check_files,
     checkpoint_name,
-    open_safetensors,
+    optim_file,
     padded_vocab,
-    read_meta,
-    read_state,
     rng_file,
-    sha256_file,
     shard_file,
     shard_tensors,
     tensor_layout,
 )
+from megatron.checkpoint_rng import rng_state
 from megatron.config import Config, to_dict
-from megatron.errors import ConfigError
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
-_ITER = re.compile(r"iter_(\d+)")
 # What killed saves leave behind: unpublished directories, set-aside copies, pointer temp files.
 _LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-\d+")
-_T = TypeVar("_T")
+# Rank 0 waits in the gather for the slowest writer: a big shard on slow shared storage can
+# take many minutes, so far longer than a training collective may. A dead peer still fails it
+# at once (its sockets close).
+COORDINATION_TIMEOUT = timedelta(minutes=30)
+# The coordination group, and the default group it was made beside (a new world needs a new one).
+_COORDINATION: dict[str, Any] = {}
+Files = dict[str, tuple[dict[str, Tensor], dict[str, str] | None]]
 
 
 def write_text(path: str, text: str) -> None:
@@ -85,18 +103,10 @@ def write_text(path: str, text: str) -> None:
 def write_tensors(
     path: str, tensors: dict[str, Tensor], header: dict[str, str] | None = None
 ) -> str:
-    """Write a safetensors file, fsync it, return its sha256."""
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path, header)
-    fsync_path(path)
-    return sha256_file(path)
-
-
-def iterations(save_dir: str) -> list[int]:
-    """Iterations of the published ``iter_*`` directories in ``save_dir``, ascending."""
-    found = [_ITER.fullmatch(n) for n in os.listdir(save_dir)]
-    return sorted(
-        int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(save_dir, m[0]))
-    )
+    """Write a safetensors file and fsync it; its sha256, from the bytes written (no read-back)."""
+    data = serialize({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, header)
+    write_durable(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None) -> str:
@@ -129,72 +139,204 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
     return final
 
 
-def _any_rank(flag: bool, state: ParallelState) -> bool:
-    """True on every rank when ``flag`` is True on some rank (one tiny all-reduce)."""
+def files_written_by(state: ParallelState, distributed_optimizer: bool = False) -> list[str]:
+    """The files of a checkpoint this rank writes.
+
+    The (TP, PP) shards are the bulk of a checkpoint and identical over DP, so the shard of TP
+    rank t in stage p is written by DP rank ``(p * tp + t) % dp`` of that (TP, PP) rank: with
+    several DP replicas (nodes) the writing spreads over them instead of one node pushing
+    everything (at PP = 1: DP rank ``t % dp``; rank 0 always writes shard (0, 0)). With the
+    distributed optimizer every rank writes its own optimizer shard, the part of the state only
+    it holds. Every rank writes its own RNG file.
+    """
+    pp_rank, pp_size = state.pp_rank, state.pp_size
+    writer = (pp_rank * state.tp_size + state.tp_rank) % state.dp_size
+    names = [shard_file(state.tp_rank, pp_rank, pp_size)] if writer == state.dp_rank else []
+    if distributed_optimizer:
+        names.append(optim_file(state.tp_rank, state.dp_rank, pp_rank, pp_size))
+    return names + [rng_file(state.rank)]
+
+
+def coordination_group(state: ParallelState) -> dist.ProcessGroup | None:
+    """The gloo group checkpoint saves coordinate over (None in a world of one).
+
+    Created at the first call, which is collective: every rank calls it at the same save.
+    """
     if state.world_size == 1:
-        return flag
-    t = torch.tensor([int(flag)], device=state.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+        return None
+    world = dist.group.WORLD
+    if _COORDINATION.get("world") is not world:
+        group = dist.new_group(backend="gloo", timeout=COORDINATION_TIMEOUT)
+        _COORDINATION.update(world=world, group=group)
+    return _COORDINATION["group"]
 
 
-def _broadcast_ints(values: list[int], state: ParallelState) -> list[int]:
-    """Rank 0's list of ints, on every rank."""
-    if state.world_size == 1:
-        return values
-    n = torch.tensor([len(values)], dtype=torch.int64, device=state.device)
-    dist.broadcast(n, src=0)
-    if not n.item():
-        return []
-    t = torch.tensor(values if state.rank == 0 else [0] * n.item(), device=state.device)
-    dist.broadcast(t, src=0)
-    return t.tolist()
+@dataclass
+class SaveJob:
+    """One rank's share of one save, held apart from the live training state.
+
+    ``files``: name -> (tensors, safetensors header). ``meta`` (rank 0): meta.json but for
+    ``files`` and ``writers``. ``ready`` waits until device-to-host copies have landed.
+    ``error``: the capture failed; the job then only reports it, so no rank waits for this one.
+    ``layout`` (DP rank 0 of each (TP, PP) rank, with the distributed optimizer): (its index
+    ``pp_rank * tp_size + tp_rank``, its shard layout); ``stage`` (the writer of TP rank 0's file
+    of each stage): (PP rank, its ``tensor_layout``). Both go to rank 0 for meta.json.
+    """
+
+    save_dir: str
+    iteration: int
+    rank: int
+    world_size: int
+    files: Files
+    meta: dict[str, Any] | None
+    keep_last: int | None
+    ready: Callable[[], None] | None = None
+    error: BaseException | None = None
+    layout: tuple[int, dict[str, Any]] | None = None
+    stage: tuple[int, dict[str, Any]] | None = None
 
 
-def _on_every_rank(state: ParallelState, what: str, fn: Callable[[], _T]) -> _T:
-    """``fn()``; if it raised on any rank, raise on every rank, so none waits in a collective."""
+def capture(
+    save_dir: str,
+    iteration: int,
+    model: nn.Module,
+    optimizer: Any,
+    lr_schedule: Any,
+    tracker: RNGTracker,
+    progress: dict[str, Any],
+    cfg: Config,
+    state: ParallelState,
+    vocab_size: int,
+    take: Callable[[str, Tensor], Tensor] | None = None,
+) -> SaveJob:
+    """This rank's part of checkpoint ``iteration``; ``take(key, tensor)`` copies a tensor off
+    the live state (None: the live tensors themselves, for a save that finishes before training
+    goes on). Never raises: a failure becomes the job's ``error``."""
+    job = SaveJob(save_dir, iteration, state.rank, state.world_size, {}, None, None)
     try:
-        result, error = fn(), None
-    except Exception as e:  # re-raised below, after every rank knows
-        result, error = None, e
-    if _any_rank(error is not None, state):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"{what} failed on another rank; see that rank's error")
-    return result
+        job.keep_last = cfg.checkpoint.keep_last
+        # The distributed optimizer's state_dict() is a collective over DP, which only the ranks
+        # writing a TP file would join: its shards are saved as they lie instead.
+        distributed = is_distributed(optimizer)
+        names = files_written_by(state, distributed)
+        in_tp_file = None if distributed else optimizer
+        mine = shard_file(state.tp_rank, state.pp_rank, state.pp_size)
+        tensors = shard_tensors(model, in_tp_file) if mine in names else {}
+        if mine in names and state.tp_rank == 0:  # one writer per stage describes its tensors
+            job.stage = (state.pp_rank, tensor_layout(tensors, model, state.tp_size))
+        rng, header = rng_state(state, tracker)
+        parts = {mine: (tensors, None), rng_file(state.rank): (rng, header)}
+        if distributed:
+            shard = optim_file(state.tp_rank, state.dp_rank, state.pp_rank, state.pp_size)
+            parts[shard] = (optim_shard_tensors(optimizer), None)
+            if state.dp_rank == 0:
+                job.layout = (state.pp_rank * state.tp_size + state.tp_rank, optimizer.layout())
+        take = take or (lambda _, t: t)
+        for name in names:
+            part, head = parts[name]
+            job.files[name] = ({k: take(f"{name}/{k}", v) for k, v in part.items()}, head)
+        if state.rank == 0:
+            scaler = optimizer.scaler.state_dict() if optimizer is not None else None
+            job.meta = {
+                "format_version": FORMAT_VERSION,
+                "iteration": iteration,
+                "progress": copy.deepcopy(dict(progress)),
+                "tp_size": state.tp_size,
+                "pp_size": state.pp_size,
+                "dp_size": state.dp_size,
+                "world_size": state.world_size,
+                "device_type": state.device.type,
+                "vocab_size": vocab_size,
+                "padded_vocab_size": padded_vocab(model, state.tp_size),
+                "seed": cfg.training.seed,
+                "rng": True,
+                "torch_version": torch.__version__,
+                "lr_schedule": lr_schedule.state_dict() if lr_schedule is not None else None,
+                "grad_scaler": copy.deepcopy(scaler),
+                # Every stage's tensors, and the distributed optimizer's layouts of every
+                # (TP, PP) rank, are added by write_and_publish.
+                "distributed_optimizer": {"step": optimizer.shard_state()["step"]}
+                if distributed
+                else None,
+                "config": to_dict(cfg),
+            }
+    except Exception as e:  # reported to every rank by write_and_publish
+        job.error = e
+    return job
 
 
-def _rng_state(state: ParallelState, tracker: RNGTracker | None) -> tuple[dict, dict[str, str]]:
-    """(tensors, header): torch CPU/CUDA and tracker states; python and numpy states as JSON."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and state.device.type == "cuda":
-        tensors["cuda"] = torch.cuda.get_rng_state(state.device)
-    if tracker is not None and tracker.tp_state is not None:
-        tensors.update({f"tracker/{k}": v for k, v in tracker.state_dict().items()})
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    header = {
-        "python": json.dumps([version, list(mt), gauss]),
-        "numpy": json.dumps([name, keys.tolist(), pos, has_gauss, cached]),
-    }
-    return tensors, header
+def _from_rank0(value: Any, job: SaveJob, group: dist.ProcessGroup | None) -> Any:
+    if job.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
-def _set_rng_state(tensors: dict[str, Tensor], header: dict[str, str], tracker: RNGTracker) -> None:
-    version, mt, gauss = json.loads(header["python"])
-    random.setstate((version, tuple(mt), gauss))
-    name, keys, pos, has_gauss, cached = json.loads(header["numpy"])
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["cuda"], tracker.generator.device)
-    if "tracker/tp" in tensors:
-        tracker.load_state_dict({"shared": tensors["tracker/shared"], "tp": tensors["tracker/tp"]})
+def _to_rank0(value: Any, job: SaveJob, group: dist.ProcessGroup | None) -> list[Any] | None:
+    if job.world_size == 1:
+        return [value]
+    out = [None] * job.world_size if job.rank == 0 else None
+    dist.gather_object(value, out, dst=0, group=group)
+    return out
 
 
-def reseed(seed: int, iteration: int) -> int:
-    """A seed for a resumed run whose saved RNG states do not fit: a function of both numbers."""
-    return int(np.random.SeedSequence([seed, iteration]).generate_state(1)[0])
+def _stage_tensors(stages: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """meta.json's ``tensors`` (every stage's layouts, in stage order: the tied word table's two
+    copies have one entry) and ``stages`` (each stage's keys)."""
+    layouts = [layout for _, layout in sorted(stages, key=lambda s: s[0])]
+    tensors = {key: info for layout in layouts for key, info in layout.items()}
+    return {"tensors": tensors, "stages": [list(layout) for layout in layouts]}
+
+
+def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
+    """Write ``job``'s files, and (rank 0) publish the checkpoint once every rank has written.
+
+    Collective over ``group`` (``coordination_group``), with the same three object collectives
+    on every rank whatever fails. Returns the checkpoint's path; raises on every rank if any
+    rank failed: its own error on the rank that failed, a RuntimeError naming it elsewhere.
+    """
+    nonce = _from_rank0(f"{secrets.randbits(48):012x}", job, group)
+    tmp = os.path.join(job.save_dir, f"{checkpoint_name(job.iteration)}.tmp-{nonce}")
+    error, sums = job.error, {}
+    if error is None:
+        try:
+            if job.ready is not None:
+                job.ready()
+            os.makedirs(tmp, exist_ok=True)
+            for name, (tensors, header) in job.files.items():
+                sums[name] = write_tensors(os.path.join(tmp, name), tensors, header)
+        except Exception as e:  # reported below, to every rank
+            error = e
+    report = (sums, None if error is None else repr(error), job.layout, job.stage)
+    reports = _to_rank0(report, job, group)
+    failure = None
+    if job.rank == 0:
+        failed = [(r, what) for r, (_, what, _, _) in enumerate(reports) if what is not None]
+        if failed:
+            failure = f"rank {failed[0][0]}: {failed[0][1]}"
+        else:
+            files = {n: s for part, _, _, _ in reports for n, s in part.items()}
+            writers = {n: r for r, (part, _, _, _) in enumerate(reports) for n in part}
+            meta = {**job.meta, **_stage_tensors([st for *_, st in reports if st is not None])}
+            meta.update(files=dict(sorted(files.items())), writers=writers)
+            layouts = sorted((r[2] for r in reports if r[2] is not None), key=lambda x: x[0])
+            if layouts:
+                sharded = {**meta["distributed_optimizer"], "layouts": [lay for _, lay in layouts]}
+                meta["distributed_optimizer"] = sharded
+            try:
+                publish(tmp, job.save_dir, meta, job.keep_last)
+            except Exception as e:  # reported below, to every rank
+                error, failure = e, f"rank 0: {e!r}"
+    failure = _from_rank0(failure, job, group)
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"checkpoint save of iteration {job.iteration} failed on {failure}")
+    path = os.path.join(job.save_dir, checkpoint_name(job.iteration))
+    if job.rank == 0:
+        logger.info("saved checkpoint %s", path)
+    return path
 
 
 def save_checkpoint(
@@ -204,7 +346,7 @@ def save_checkpoint(
     optimizer: Any,
     lr_schedule: Any,
     tracker: RNGTracker,
-    progress: dict[str, int],
+    progress: dict[str, Any],
     cfg: Config,
     state: ParallelState,
     vocab_size: int,
@@ -216,196 +358,9 @@ def save_checkpoint(
     Keeps the newest ``cfg.checkpoint.keep_last``. Consumes no random numbers, so a run that
     saves stays bit-identical to one that does not. Raises on every rank if any rank failed.
     """
-    nonce = f"{_broadcast_ints([secrets.randbits(48)], state)[0]:012x}"
-    tmp = os.path.join(save_dir, f"{checkpoint_name(iteration)}.tmp-{nonce}")
-    tensors = shard_tensors(model, optimizer) if state.dp_rank == 0 else {}
-
-    def write() -> dict[str, str]:
-        os.makedirs(tmp, exist_ok=True)
-        sums = {}
-        if state.dp_rank == 0:
-            sums[shard_file(state.tp_rank)] = write_tensors(
-                os.path.join(tmp, shard_file(state.tp_rank)), tensors
-            )
-        rng, header = _rng_state(state, tracker)
-        sums[rng_file(state.rank)] = write_tensors(
-            os.path.join(tmp, rng_file(state.rank)), rng, header
-        )
-        return sums
-
-    sums = _on_every_rank(state, "checkpoint save", write)
-    gathered = [sums]
-    if state.world_size > 1:
-        gathered = [None] * state.world_size if state.rank == 0 else None
-        dist.gather_object(sums, gathered, dst=0)
-
-    def finish() -> str:
-        if state.rank != 0:
-            return os.path.join(save_dir, checkpoint_name(iteration))
-        scaler = optimizer.state_dict()["grad_scaler"] if optimizer is not None else None
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "iteration": iteration,
-            "progress": dict(progress),
-            "tp_size": state.tp_size,
-            "dp_size": state.dp_size,
-            "world_size": state.world_size,
-            "device_type": state.device.type,
-            "vocab_size": vocab_size,
-            "padded_vocab_size": padded_vocab(model, state.tp_size),
-            "seed": cfg.training.seed,
-            "rng": True,
-            "torch_version": torch.__version__,
-            "lr_schedule": lr_schedule.state_dict() if lr_schedule is not None else None,
-            "grad_scaler": scaler,
-            "tensors": tensor_layout(tensors, model, state.tp_size),
-            "files": {name: s for part in gathered for name, s in sorted(part.items())},
-            "config": to_dict(cfg),
-        }
-        return publish(tmp, save_dir, meta, cfg.checkpoint.keep_last)
-
-    path = _on_every_rank(state, "checkpoint save", finish)
-    if state.rank == 0:
-        logger.info("saved checkpoint %s", path)
-    return path
-
-
-def find_latest(load_dir: str) -> int | None:
-    """The iteration ``load_dir/latest`` names; None when there is none (nothing saved yet)."""
-    path = os.path.join(load_dir, LATEST)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    if not text.strip().isdigit():
-        raise ConfigError(
-            f"{path} holds {text[:20]!r}, not an iteration; delete it to resume from the newest "
-            "complete iter_* directory"
-        )
-    return int(text)
-
-
-def candidates(load_dir: str) -> list[int]:
-    """Iterations to try, best first: ``latest``'s, then the older ``iter_*`` directories."""
-    if not os.path.isdir(load_dir):
-        raise ConfigError(
-            f"checkpoint.load: {load_dir} not found; fix the path, or unset checkpoint.load to "
-            "start from scratch"
-        )
-    latest, found = find_latest(load_dir), iterations(load_dir)[::-1]
-    if latest is not None:
-        return [latest] + [i for i in found if i < latest]
-    if not found:
-        raise ConfigError(
-            f"checkpoint.load: {load_dir} holds no checkpoint (no latest file, no iter_* "
-            "directory); point it at a save directory, or unset it to start from scratch"
-        )
-    return found
-
-
-def checkpoint_dir(load_dir: str, iteration: int) -> str:
-    """``iter_*`` of ``iteration``; if a save of the same iteration was killed between moving
-    the old copy aside and renaming the new one into place, the copy it set aside."""
-    path = os.path.join(load_dir, checkpoint_name(iteration))
-    aside = sorted(glob.glob(glob.escape(path) + ".old-*"))
-    return aside[-1] if aside and not os.path.isdir(path) else path
-
-
-def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
-    """The newest intact checkpoint; every rank hashes a share of each candidate's files."""
-    its = _broadcast_ints(candidates(load_dir), state)
-    if state.rank == 0 and find_latest(load_dir) is None:
-        logger.warning(
-            "%s has no latest file; trying its iter_* directories, newest first", load_dir
-        )
-    for it in its:
-        path = checkpoint_dir(load_dir, it)
-        try:
-            meta = read_meta(path)
-            problem = check_files(path, meta, sorted(meta["files"])[state.rank :: state.world_size])
-            if problem:
-                logger.warning("%s", problem)
-        except ConfigError as e:
-            meta, problem = None, str(e)
-            if state.rank == 0:  # every rank found the same, one says it
-                logger.warning("%s", problem)
-        if not _any_rank(problem is not None, state):
-            return path, meta
-        if state.rank == 0:
-            logger.warning("checkpoint %s is incomplete or corrupt; trying the previous one", path)
-    raise ConfigError(
-        f"checkpoint.load: no intact checkpoint in {load_dir} (see the warnings above); restore "
-        "one, or unset checkpoint.load to start from scratch"
-    )
-
-
-def _read_rng(path: str, meta: dict[str, Any], state: ParallelState) -> tuple[dict, dict] | None:
-    """This rank's saved RNG states; None when they belong to another world or device."""
-    here = (state.tp_size, state.dp_size, state.device.type)
-    if not meta["rng"] or (meta["tp_size"], meta["dp_size"], meta["device_type"]) != here:
-        return None
-    f = open_safetensors(os.path.join(path, rng_file(state.rank)))
-    return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-
-
-def load_checkpoint(
-    load_dir: str,
-    model: nn.Module,
-    optimizer: Any | None,
-    lr_schedule: Any | None,
-    tracker: RNGTracker | None,
-    state: ParallelState,
-    vocab_size: int,
-    finetune: bool = False,
-) -> dict[str, int] | None:
-    """Load the newest intact checkpoint of ``load_dir`` into the given objects (collective).
-
-    Returns the saved ``progress`` (with ``iteration``). ``finetune``: weights only, and None,
-    since nothing is resumed. A checkpoint saved at another TP size is resharded on the fly; at
-    another TP/DP size or device the RNG states cannot carry over and are reseeded from (seed,
-    iteration) with a warning. Raises ConfigError naming ``checkpoint.load`` when ``load_dir``
-    is missing or holds no intact checkpoint: a requested resume never silently starts fresh.
-    """
-    path, meta = _select(load_dir, state)
-
-    def read() -> tuple[dict, dict, tuple | None]:
-        if meta["vocab_size"] != vocab_size:
-            raise ConfigError(
-                f"{path} was saved for a vocabulary of {meta['vocab_size']} tokens, the tokenizer "
-                f"has {vocab_size}; use the tokenizer the checkpoint was trained with"
-            )
-        files = [os.path.join(path, shard_file(t)) for t in range(meta["tp_size"])]
-        weights, entries = read_state(files, meta, model, None if finetune else optimizer, state)
-        rng = None if finetune or tracker is None else _read_rng(path, meta, state)
-        return weights, entries, rng
-
-    weights, entries, rng = _on_every_rank(state, "checkpoint load", read)
-    model.load_state_dict(weights)
-    if finetune:
-        if optimizer is not None:
-            optimizer.reload_main_params()
-        if state.rank == 0:
-            logger.info("loaded the weights of %s", path)
-        return None
-    if optimizer is not None:
-        scaler = meta["grad_scaler"] or optimizer.state_dict()["grad_scaler"]
-        optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
-    if lr_schedule is not None and meta["lr_schedule"] is not None:
-        lr_schedule.load_state_dict(meta["lr_schedule"])
-    if tracker is not None:
-        if rng is not None:
-            _set_rng_state(*rng, tracker)
-        else:
-            if state.rank == 0:
-                logger.warning(
-                    "%s was saved at TP=%d x DP=%d on %s, this run is TP=%d x DP=%d on %s: RNG "
-                    "states cannot carry over; reseeding from (seed=%d, iteration=%d)",
-                    path, meta["tp_size"], meta["dp_size"], meta["device_type"],
-                    state.tp_size, state.dp_size, state.device.type,
-                    meta["seed"], meta["iteration"],
-                )  # fmt: skip
-            tracker.seed(reseed(meta["seed"], meta["iteration"]), state.tp_rank)
-    if state.rank == 0:
-        logger.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
-    return {"iteration": meta["iteration"], **meta["progress"]}
+    group = coordination_group(state)
+    job = capture(
+        save_dir, iteration, model, optimizer, lr_schedule, tracker, progress, cfg, state,
+        vocab_size,
+    )  # fmt: skip
+    return write_and_publish(job, group)

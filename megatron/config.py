@@ -59,11 +59,29 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How processes split the work; the DP size is world / tensor_parallel_size."""
+    """How processes split the work; the DP size is world / (tensor_parallel_size *
+    pipeline_parallel_size)."""
 
     tensor_parallel_size: int = _doc("Ranks that split each layer (adjacent ranks).", 1)
+    pipeline_parallel_size: int = _doc(
+        "Pipeline stages, each holding num_layers / stages consecutive layers (across nodes).", 1
+    )
+    virtual_pipeline_size: int | None = _doc(
+        "Model chunks per stage (interleaved 1F1B); null: one chunk, plain 1F1B.", None
+    )
     timeout_minutes: float = _doc("Collective timeout: a dead peer fails the run after this.", 10.0)
     ddp_bucket_size_mb: float = _doc("fp32 gradient bucket size for the DP all-reduce.", 25.0)
+    distributed_optimizer: bool = _doc(
+        "Shard fp32 main params and Adam moments over DP (ZeRO-1): reduce-scatter, all-gather.",
+        False,
+    )
+    sequence_parallel: bool = _doc(
+        "Split LayerNorm/dropout/residual activations along the sequence over TP (needs TP > 1).",
+        False,
+    )
+    heartbeat_grace_s: float = _doc(
+        "A peer (or the launcher) silent this long is lost: the run names it and exits 1.", 60.0
+    )
 
 
 @dataclass
@@ -206,6 +224,10 @@ class CheckpointConfig:
     load: str | None = _doc("Checkpoint directory to resume from; null: save's, if any.", None)
     save_interval: int | None = _doc("Iterations between saves; null: only at exit.", None)
     keep_last: int | None = _doc("Checkpoints kept; null: all.", None)
+    async_save: bool = _doc(
+        "Copy the state to CPU, go on training, and write the checkpoint in the background.",
+        False,
+    )
     finetune: bool = _doc(
         "Start from load's weights alone (new optimizer, schedule, data); restarts resume save's.",
         False,
@@ -227,7 +249,8 @@ class Derived:
 
     world_size: int
     tp_size: int
-    dp_size: int
+    pp_size: int
+    dp_size: int  # world / (tp * pp): the grid is [dp, pp, tp], TP innermost
     num_micro_batches: int  # micro-batches per step on each rank: gbs / (mbs * dp)
     head_dim: int  # hidden_size / num_attention_heads
     vocab_multiple: int  # make_vocab_size_divisible_by * tp
@@ -257,13 +280,13 @@ class Config:
 
         For a config that passed ``config_checks.check_world`` (or ``validate``) at that size.
         """
-        tp = self.parallel.tensor_parallel_size
-        dp = world_size // tp
+        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        dp = world_size // (tp * pp)
         t = self.training
         micro = t.global_batch_size // (t.micro_batch_size * dp)
         head_dim = self.model.hidden_size // self.model.num_attention_heads
         multiple = self.model.make_vocab_size_divisible_by * tp
-        return Derived(world_size, tp, dp, micro, head_dim, multiple)
+        return Derived(world_size, tp, pp, dp, micro, head_dim, multiple)
 
 
 SECTIONS: dict[str, type] = get_type_hints(Config)

@@ -15,7 +15,8 @@ from megatron.errors import ConfigError
 # Numeric ranges, one table so every key is covered once; null values are not checked.
 _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
     model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
-    model.layernorm_epsilon parallel.tensor_parallel_size parallel.timeout_minutes
+    model.layernorm_epsilon parallel.tensor_parallel_size parallel.pipeline_parallel_size
+    parallel.virtual_pipeline_size parallel.timeout_minutes
     parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
     training.train_iters training.train_samples training.eval_interval training.exit_interval
     training.exit_duration_in_mins training.max_consecutive_nan optimizer.lr
@@ -54,9 +55,11 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def check_world(cfg: Config, world_size: int) -> None:
-    """The checks that need the world size: tp | world, tp | heads, mbs * dp | gbs."""
+    """The checks that need the world size: tp * pp | world, tp | heads, mbs * dp | gbs, and
+    the interleaved schedule's micro-batches a multiple of pp."""
     _check_ranges(cfg)
     tp, heads = cfg.parallel.tensor_parallel_size, cfg.model.num_attention_heads
+    pp, virtual = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1; fix --world-size")
     if world_size % tp:
@@ -64,16 +67,58 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"parallel.tensor_parallel_size={tp} does not divide the world size "
             f"{world_size}; use {_divisors(world_size)} or launch a multiple of {tp}"
         )
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp} x parallel.pipeline_parallel_size={pp} = "
+            f"{tp * pp} does not divide the world size {world_size}; launch a multiple of "
+            f"{tp * pp} GPUs or use a pipeline size of {_divisors(world_size // tp)}"
+        )
     if heads % tp:
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} does not divide "
             f"model.num_attention_heads={heads}; use {_divisors(heads)}"
         )
-    mbs, gbs, dp = cfg.training.micro_batch_size, cfg.training.global_batch_size, world_size // tp
+    mbs, gbs = cfg.training.micro_batch_size, cfg.training.global_batch_size
+    dp = world_size // (tp * pp)
     if gbs % (mbs * dp):
         raise ConfigError(
             f"training.global_batch_size={gbs} is not a multiple of training."
             f"micro_batch_size * DP = {mbs} * {dp}; use {_multiples(gbs, mbs * dp)}"
+        )
+    if virtual is not None and virtual > 1 and gbs // (mbs * dp) % pp:
+        # The interleaved schedule sends micro-batches through the chunks in groups of pp.
+        raise ConfigError(
+            f"parallel.virtual_pipeline_size={virtual} needs the micro-batches per step, "
+            f"training.global_batch_size / (micro_batch_size * DP) = {gbs} / ({mbs} * {dp}) = "
+            f"{gbs // (mbs * dp)}, to be a multiple of parallel.pipeline_parallel_size={pp}; "
+            f"use a global_batch_size of {_multiples(gbs, mbs * dp * pp)}"
+        )
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The layers divide into pp stages, and interleaved (v > 1, needing pp > 1) into pp * v
+    chunks; a virtual_pipeline_size of 1 is one chunk per stage, as null is."""
+    layers = cfg.model.num_layers
+    pp, virtual = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size
+    if layers % pp:
+        raise ConfigError(
+            f"model.num_layers={layers} does not divide into parallel.pipeline_parallel_size={pp} "
+            f"stages; use num_layers={_multiples(layers, pp)} or a pipeline size of "
+            f"{_divisors(layers)}"
+        )
+    if virtual is None or virtual == 1:
+        return
+    if pp < 2:
+        raise ConfigError(
+            f"parallel.virtual_pipeline_size={virtual} interleaves chunks across pipeline stages "
+            "and needs parallel.pipeline_parallel_size >= 2; set it to null or add stages"
+        )
+    if layers % (pp * virtual):
+        raise ConfigError(
+            f"model.num_layers={layers} does not divide into parallel.pipeline_parallel_size={pp}"
+            f" x parallel.virtual_pipeline_size={virtual} = {pp * virtual} chunks; use "
+            f"num_layers={_multiples(layers, pp * virtual)} or a virtual_pipeline_size of "
+            f"{_divisors(layers // pp)}"
         )
 
 
@@ -91,6 +136,19 @@ def _check_config(cfg: Config) -> None:
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
             f"tensor_parallel_size={cfg.parallel.tensor_parallel_size}; use "
             f"{_multiples(m.ffn_hidden_size, cfg.parallel.tensor_parallel_size)}"
+        )
+    tp = cfg.parallel.tensor_parallel_size
+    _check_pipeline(cfg)
+    if cfg.parallel.sequence_parallel and tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (it splits "
+            "activations over the TP group); set it to false or raise the TP size"
+        )
+    if cfg.parallel.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
+            f"parallel.tensor_parallel_size={tp}; use a seq_length of "
+            f"{_multiples(m.seq_length, tp)}, or set sequence_parallel=false"
         )
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(

@@ -2,8 +2,9 @@
 
 Runs with no GPU and no process group (a login node will do). It validates the config for the
 world size; opens every tokenizer and data file (headers, sizes, and that no token id reaches the
-vocabulary: a vectorised scan of the memory-mapped tokens, sampled when the data is huge; for
-hdf5 shards, that each split holds the samples the run draws from it); then
+vocabulary: the check training runs before step 1, megatron/data/token_range.py, reading its
+cached result, or sampling evenly spaced blocks when the data is huge and not yet cached; for
+hdf5 shards, also that each split holds the samples the run draws from it); then
 reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate.py), the FLOPs
 per iteration, and whether the run fits in ``--gpu-memory-gb``. A file that does not exist here
 (the data may live on the cluster only) is named and skipped; a file that exists but is wrong is
@@ -16,16 +17,15 @@ import argparse
 import glob
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
-
-import numpy as np
 
 from megatron.config import TOKENIZER_FILES, Config, weighted_paths
 from megatron.config_checks import validate
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
+from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
 from megatron.estimate import (
     DTYPE_BYTES,
@@ -34,17 +34,18 @@ from megatron.estimate import (
     MemoryEstimate,
     ModelType,
     count_parameters,
-    estimate_memory,
+    estimate_stages,
     fits,
+    stage_parameters,
     usable_bytes,
+    worst_stage,
 )
 from megatron.flops import flops_per_iteration
+from megatron.pipeline_timeline import ideal_bubble
 
-# Tokens (or hdf5 rows x seq) read per dataset before the scan switches to evenly spaced blocks:
-# 2^28 uint16 tokens are 512 MiB, a few seconds from a warm page cache.
+# Tokens (or hdf5 rows x seq) read per dataset before the scan switches to evenly spaced blocks
+# (when no cached full scan exists): 2^28 uint16 tokens are 512 MiB, ~1 s from a warm page cache.
 SAMPLE_TOKENS = 2**28
-_BLOCKS = 64  # evenly spaced blocks a sampled scan reads
-_CHUNK = 2**24  # tokens reduced at once, so a block never needs more than this in memory
 
 
 @dataclass(frozen=True)
@@ -59,71 +60,37 @@ class DataSummary:
     sampled: bool  # True when only evenly spaced blocks were read
 
 
-def _blocks(n: int, limit: int) -> list[tuple[int, int]]:
-    """All of ``[0, n)`` when ``n <= limit``, else _BLOCKS evenly spaced blocks totalling limit."""
-    if n <= limit:
-        return [(0, n)]
-    size = limit // _BLOCKS
-    return [(start, start + size) for start in np.linspace(0, n - size, _BLOCKS, dtype=np.int64)]
-
-
-def _id_error(where: str, token: int, vocab_size: int) -> ConfigError:
-    return ConfigError(
-        f"{where}: token id {token} is outside the tokenizer's vocabulary [0, {vocab_size}); "
-        "the data was made with another tokenizer, re-run tools/preprocess_data.py with this one"
-    )
-
-
-def check_indexed(prefix: str, vocab_size: int, sample_tokens: int = SAMPLE_TOKENS) -> DataSummary:
-    """Open ``prefix`` (validating header and sizes) and check every scanned id is in the vocab."""
+def check_indexed(
+    prefix: str, vocab_size: int, sample_tokens: int = SAMPLE_TOKENS, cache_dir: str | None = None
+) -> DataSummary:
+    """Open ``prefix`` (validating header and sizes) and check its ids against the vocabulary."""
+    found = check_indexed_ids(prefix, vocab_size, cache_dir, sample_tokens)
     ds = IndexedDataset(prefix)
-    if ds.dtype.kind not in "iu":
-        raise ConfigError(
-            f"{index_path(prefix)}: token dtype {ds.dtype} is not an integer type; "
-            "re-run tools/preprocess_data.py"
-        )
-    blocks = _blocks(ds.num_tokens, sample_tokens)
-    tokens = np.memmap(data_path(prefix), ds.dtype, "r") if ds.num_tokens else None
-    max_id = -1
-    for start, stop in blocks:
-        for lo in range(start, stop, _CHUNK):
-            chunk = tokens[lo : min(stop, lo + _CHUNK)]
-            bad = (chunk < 0) | (chunk >= vocab_size)
-            if bad.any():
-                pos = lo + int(np.argmax(bad))
-                offset = pos * ds.dtype.itemsize
-                seq = int(np.searchsorted(ds.sequence_pointers, offset, "right")) - 1
-                where = f"{data_path(prefix)} (sequence {seq}, token {pos})"
-                raise _id_error(where, int(tokens[pos]), vocab_size)
-            max_id = max(max_id, int(chunk.max()))
-    return DataSummary(prefix, len(ds), ds.num_tokens, str(ds.dtype), max_id, len(blocks) > 1)
+    return _summary(prefix, len(ds), ds.num_tokens, str(ds.dtype), found)
 
 
 def check_hdf5(
     path: str, cfg: Config, vocab_size: int, sample_tokens: int = SAMPLE_TOKENS
 ) -> DataSummary:
     """Open the shards of ``path`` (validating their layout) and check the ids they hold."""
-    import h5py
-
     from megatron.data.hdf5_dataset import Hdf5BertDataset, shard_files
 
     files = shard_files(path)
     dataset = Hdf5BertDataset(files, cfg.model.seq_length)
     rows_limit = max(1, sample_tokens // (cfg.model.seq_length * len(files)))
-    max_id, sampled = -1, False
+    found = None
     for file in files:
-        with h5py.File(file, "r") as f:
-            rows = _blocks(len(f["input_ids"]), rows_limit)
-            sampled |= len(rows) > 1
-            for name in ("input_ids", "masked_lm_ids"):
-                for start, stop in rows:
-                    ids = f[name][start:stop]
-                    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                        bad = ids.max() if ids.max() >= vocab_size else ids.min()
-                        raise _id_error(f"{file} ({name})", int(bad), vocab_size)
-                    max_id = max(max_id, int(ids.max()) if ids.size else -1)
+        ids = check_hdf5_ids(file, vocab_size, cfg.data.cache_dir, rows_limit)
+        found = ids.merge(found) if ids is not None else found
     tokens = len(dataset) * cfg.model.seq_length
-    return DataSummary(path, len(dataset), tokens, "int32", max_id, sampled)
+    return _summary(path, len(dataset), tokens, "int32", found)
+
+
+def _summary(
+    path: str, sequences: int, tokens: int, dtype: str, found: IdRange | None
+) -> DataSummary:
+    max_id = -1 if found is None else found.highest
+    return DataSummary(path, sequences, tokens, dtype, max_id, found is not None and found.sampled)
 
 
 def missing_files(cfg: Config) -> list[str]:
@@ -179,45 +146,107 @@ def _check_hdf5_splits(cfg: Config, missing: list[str]) -> str:
 
 
 def _report_memory(
-    cfg: Config, padded_vocab: int, model_type: ModelType, out: TextIO
+    cfg: Config, padded_vocab: int, model_type: ModelType, dp_size: int, out: TextIO
 ) -> MemoryEstimate:
-    """Write the parameter and memory lines; return the estimate."""
+    """Write the parameter and memory lines (of the worst pipeline stage); return its estimate."""
     m, tp, b = cfg.model, cfg.parallel.tensor_parallel_size, cfg.training.micro_batch_size
-    params = count_parameters(
-        m, padded_vocab, tp, model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none"
-    )
-    mem = estimate_memory(cfg, padded_vocab, model_type)
+    pp = cfg.parallel.pipeline_parallel_size
+    heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
+    stages = estimate_stages(cfg, padded_vocab, model_type, dp_size)
+    mem = max(stages, key=lambda stage: stage.total)
+    params = stage_parameters(m, padded_vocab, tp, pp, mem.stage, *heads)
+    if pp > 1:
+        _report_stages(cfg, padded_vocab, model_type, stages, out)
     dtype, e = cfg.precision.dtype, DTYPE_BYTES[cfg.precision.dtype]
     configured = {True: "   <- model.recompute=full", False: "   <- model.recompute=none"}
+    if cfg.parallel.distributed_optimizer:
+        main, moments = f"4 B/param / DP {dp_size}", f"8 B/param / DP {dp_size}"
+    else:
+        main, moments = "4 B/param; none in fp32", "8 B/param"
+    sp = " (seq-parallel)" if cfg.parallel.sequence_parallel else ""
     rows = [
         (f"weights ({dtype}, {e} B/param)", mem.weights, ""),
         ("gradients (fp32 main_grad, 4 B/param)", mem.main_grads, ""),
-        ("fp32 main params (4 B/param; none in fp32)", mem.main_params, ""),
-        ("Adam moments (2 x fp32, 8 B/param)", mem.adam_moments, ""),
+        (f"fp32 main params ({main})", mem.main_params, ""),
+        (f"Adam moments (2 x fp32, {moments})", mem.adam_moments, ""),
         (f"word embedding .grad ({dtype}, in backward)", mem.embedding_grad, ""),
         ("logits + loss buffers, (e+4)*b*s*V/t", mem.logits, ""),
-        ("activations, no recomputation", mem.activations_no_recompute, ""),
-        ("activations, full recomputation", mem.activations_recompute, ""),
+        (f"activations, no recomputation{sp}", mem.activations_no_recompute, ""),
+        (f"activations, full recomputation{sp}", mem.activations_recompute, ""),
         ("total, no recomputation", mem.total_with(False), configured[False] * (not mem.recompute)),
         ("total, full recomputation", mem.total_with(True), configured[True] * mem.recompute),
     ]
+    total = count_parameters(m, padded_vocab, tp, *heads).total
+    where = f"on stage {mem.stage} (the worst) " if pp > 1 else ""
     out.write(
-        f"parameters: {params.total:,} total; {params.per_gpu:,} per GPU at TP {tp} "
+        f"parameters: {total:,} total; {params.per_gpu:,} per GPU {where}at TP {tp} "
         f"({params.split:,} split {tp} ways, {params.replicated:,} replicated)\n"
-        f"memory per GPU (micro-batch {b}, seq {m.seq_length}, e = {e} bytes per element):\n"
+        f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}, e = {e} bytes per "
+        "element:\n"
     )
     for label, n, note in rows:
         out.write(f"  {label:<46}{n / GIB:9.2f} GiB{note}\n")
     extra = mem.unfused_attention_extra
+    held_layers = m.num_layers // (pp * (cfg.parallel.virtual_pipeline_size or 1)) * mem.in_flight
     out.write(
         "  activations per layer: Korthikanti et al. 2022 (s*b*h*(10 + 24/t + 5*a*s/(h*t)) for\n"
         "    e = 2, f = 4h) with fused attention: s*b*h*(4e + 2 masks) + 16*s*b\n"
         "    + [s*b*(4h + 2f)*e + 4*a*s*b] / t; full recomputation keeps L layer inputs\n"
         "    (e*s*b*h each) plus one layer's working set. Unfused attention (probabilities\n"
-        f"    materialised, the 5*a*s/(h*t) term) would add {m.num_layers * extra / GIB:.2f} GiB\n"
+        f"    materialised, the 5*a*s/(h*t) term) would add {held_layers * extra / GIB:.2f} GiB\n"
         f"    without recomputation, {extra / GIB:.2f} GiB with it.\n"
     )
+    if pp > 1:
+        out.write(
+            f"  pipeline: this stage holds {mem.in_flight} micro-batch chunk(s) in flight (1F1B:\n"
+            "    min(p - s, m) on stage s; interleaved: min(2(p-s-1) + (v-1)p + 1, m*v) chunks\n"
+            "    of L/(p*v) layers), each but the last stage's last chunk also keeping its output\n"
+            "    (e*s*b*h) until its backward. The first stage holds the embeddings; the last the\n"
+            "    final LayerNorm, the LM head with its own word embedding copy, and the logits.\n"
+        )
+    if cfg.parallel.sequence_parallel:
+        out.write(
+            "  sequence parallelism: the LayerNorm inputs, dropout masks and statistics\n"
+            "    (s*b*h*(2e + masks) + 16*s*b per layer), the embedding's and final LayerNorm's,\n"
+            f"    and the layer inputs recomputation keeps are split {tp} ways; QKV's and fc1's\n"
+            "    gathered inputs (2e*s*b*h) and the LM head's input stay whole.\n"
+        )
     return mem
+
+
+def _stage_layers(num_layers: int, pp: int, chunks: int, stage: int) -> str:
+    """The layers of ``stage``: chunk c is virtual stage c * pp + stage, e.g. '0-5, 12-17'."""
+    n = num_layers // (pp * chunks)
+    starts = [(c * pp + stage) * n for c in range(chunks)]
+    return ", ".join(f"{start}-{start + n - 1}" for start in starts)
+
+
+def _report_stages(
+    cfg: Config,
+    padded_vocab: int,
+    model_type: ModelType,
+    stages: list[MemoryEstimate],
+    out: TextIO,
+) -> None:
+    """One line per pipeline stage: its layers, parameters and memory as configured."""
+    p, m = cfg.parallel, cfg.model
+    chunks = p.virtual_pipeline_size or 1
+    heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
+    worst = max(stages, key=lambda stage: stage.total).stage
+    out.write(
+        "  stage        params/GPU  states GiB  activations GiB  in flight  total GiB  layers\n"
+    )
+    for mem in stages:
+        n = stage_parameters(
+            m, padded_vocab, p.tensor_parallel_size, p.pipeline_parallel_size, mem.stage, *heads
+        ).per_gpu
+        activations = mem.activations_recompute if mem.recompute else mem.activations_no_recompute
+        layers = _stage_layers(m.num_layers, p.pipeline_parallel_size, chunks, mem.stage)
+        out.write(
+            f"  {mem.stage:<5} {n:>16,} {mem.states / GIB:11.2f} {activations / GIB:16.2f} "
+            f"{mem.in_flight:10} {mem.total / GIB:10.2f}  {layers}"
+            f"{'   <- worst' if mem.stage == worst else ''}\n"
+        )
 
 
 def dry_run(
@@ -228,25 +257,37 @@ def dry_run(
 ) -> int:
     """Validate, check the files, report memory and FLOPs; 0 if it fits (or no size), else 1.
 
-    ``args`` carries ``world_size`` (default: one replica, the TP size) and ``gpu_memory_gb``
+    ``args`` carries ``world_size`` (default: one replica, TP x PP GPUs) and ``gpu_memory_gb``
     (GiB, as vendors' "32 GB" means). Config and file errors raise ConfigError.
     """
     out = out or sys.stdout
-    tp = cfg.parallel.tensor_parallel_size
-    world = args.world_size or tp
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    world = args.world_size or tp * pp
     validate(cfg, world, check_files=False)
     missing = missing_files(cfg)
     if not missing:
         validate(cfg, world, check_files=True)
     split_counts = _check_hdf5_splits(cfg, missing)
     derived = cfg.derived(world)
+    pp, chunks = derived.pp_size, cfg.parallel.virtual_pipeline_size or 1
+    grid = (
+        f"DP {derived.dp_size} x PP {pp} x TP {tp}" if pp > 1 else f"DP {derived.dp_size} x TP {tp}"
+    )
     out.write(
-        f"dry run ({model_type}): world {world} = DP {derived.dp_size} x TP {tp}; "
+        f"dry run ({model_type}): world {world} = {grid}; "
         f"{derived.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step "
         f"on each rank; config valid\n"
     )
     if not args.world_size:
-        out.write(f"  (no --world-size: checked for one replica of {tp} GPU(s))\n")
+        out.write(f"  (no --world-size: checked for one replica of {tp * pp} GPU(s))\n")
+    if pp > 1:
+        schedule = f"interleaved 1F1B, {chunks} chunks per stage" if chunks > 1 else "1F1B"
+        bubble = ideal_bubble(pp, chunks, derived.num_micro_batches)
+        out.write(
+            f"pipeline: {pp} stages of {cfg.model.num_layers // pp} layers, {schedule}; bubble "
+            f"(p-1)/(m*v) = {pp - 1}/({derived.num_micro_batches}*{chunks}) = {bubble:.2%} of "
+            "the busy time\n"
+        )
     for path in missing:
         out.write(f"ABSENT here: {path} (not checked; the run fails at start if it is absent)\n")
     if split_counts:
@@ -264,13 +305,13 @@ def dry_run(
         elif index_path(path) in missing or data_path(path) in missing:
             continue
         else:
-            summary = check_indexed(path, vocab)
+            summary = check_indexed(path, vocab, cache_dir=cfg.data.cache_dir)
         how = "sampled" if summary.sampled else "all scanned"
         out.write(
             f"data: {summary.path}: {summary.sequences:,} sequences, {summary.tokens:,} "
             f"{summary.dtype} tokens; max id {summary.max_id} < {vocab} ({how})\n"
         )
-    mem = _report_memory(cfg, padded, model_type, out)
+    mem = _report_memory(cfg, padded, model_type, derived.dp_size, out)
     m = cfg.model
     flops = flops_per_iteration(
         num_layers=m.num_layers,
@@ -292,14 +333,32 @@ def dry_run(
         "the CUDA context, NCCL buffers and fragmentation; GB here is 2^30 bytes)\n"
     )
     if not ok:
-        out.write(f"  hint: {_hint(mem, gb)}\n")
+        out.write(f"  hint: {_hint(cfg, padded, model_type, derived.dp_size, gb)}\n")
     return 0 if ok else 1
 
 
-def _hint(mem: MemoryEstimate, gb: float) -> str:
-    if not mem.recompute and fits(mem.total_with(True), gb):
-        return "model.recompute=full fits"
+def _hint(cfg: Config, padded_vocab: int, model_type: ModelType, dp_size: int, gb: float) -> str:
+    """The first memory-saving switch the config has off that makes it fit, tried one at a time."""
+    m, p = cfg.model, cfg.parallel
+    switches = [
+        ("model.recompute=full", m.recompute != "full", {"model": replace(m, recompute="full")}),
+        (
+            "parallel.distributed_optimizer=true",
+            dp_size > 1 and not p.distributed_optimizer,
+            {"parallel": replace(p, distributed_optimizer=True)},
+        ),
+        (
+            "parallel.sequence_parallel=true",
+            p.tensor_parallel_size > 1 and not p.sequence_parallel,
+            {"parallel": replace(p, sequence_parallel=True)},
+        ),
+    ]
+    for name, applies, change in switches:
+        changed = replace(cfg, **change)
+        if applies and fits(worst_stage(changed, padded_vocab, model_type, dp_size).total, gb):
+            return f"{name} fits"
     return (
-        "raise parallel.tensor_parallel_size (weights and optimizer state divide by it) "
-        "or lower training.micro_batch_size (activations scale with it)"
+        "raise parallel.tensor_parallel_size or parallel.pipeline_parallel_size (weights and "
+        "optimizer state divide by them) or lower training.micro_batch_size (activations scale "
+        "with it)"
     )

@@ -16,7 +16,12 @@ P position rows, t tensor-parallel size, e bytes per element of the model dtype.
 **Memory** of our implementation, per parameter held by this GPU: e bytes of weights, 4 of
 fp32 ``main_grad`` (megatron/parallel/data_parallel.py keeps it for every parameter), 4 of fp32
 main copy when the dtype is bf16/fp16 (fp32 parameters are their own main copy), and 8 of Adam
-moments: 16 bytes in fp32, 18 in bf16/fp16.
+moments: 16 bytes in fp32, 18 in bf16/fp16. The **distributed optimizer**
+(``parallel.distributed_optimizer``) keeps the fp32 main copy and the moments of 1/d of the
+parameters on each of the d DP ranks, ceil(N/d) of N (its buckets' padding to a multiple of d
+adds under d elements per bucket): (4 + 8)/d bytes per parameter, the main copy in fp32 too (a
+flat copy of the owned elements); weights and the whole fp32 gradient buffer stay on every rank,
+as in Megatron's.
 
 **Activations** per micro-batch start from Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2: with 16-bit activations, 1-byte dropout masks
@@ -39,6 +44,31 @@ input and statistics; for BERT with post-LN the embedding LayerNorm's input and 
 instead, its MLM head's dense, GeLU, LayerNorm and logit-matmul inputs and LayerNorm statistics,
 and the pooled [CLS] (e*b*h).
 
+**Sequence parallelism** (``parallel.sequence_parallel``) splits along the sequence over the t TP
+ranks the LayerNorm, dropout and residual activations: in each layer both LayerNorms' inputs,
+the dropout masks and the statistics, s*b*h*(2e + masks) + 16*s*b bytes; the layer input that
+full recomputation keeps; and outside the layers the embedding dropout mask and the LayerNorm
+input and statistics. The inputs of QKV and fc1 (2e*s*b*h) stay whole: the column-parallel
+layer all-gathers its input and keeps the gathered copy for its weight gradient (Korthikanti et
+al.'s s*b*h*(34/t + 5as/(ht)) assumes it is gathered again in backward instead). So do the
+final hidden states: the loss path gathers them for the LM head (and BERT's pooler).
+
+**Pipeline parallelism** (``parallel.pipeline_parallel_size`` p, ``virtual_pipeline_size`` v)
+gives stage s of p its L/p layers (interleaved: v chunks of L/(p*v), chunk c being virtual stage
+c*p + s); the first stage also holds the embeddings (word, position, BERT's token types and
+post-LN LayerNorm), the last the final LayerNorm and the heads and, when p > 1, its own copy of
+the word embedding for the tied LM head (as Megatron does, all-reducing the two copies'
+gradients). Weights, gradients and optimizer state follow the stage's parameters. Activations are
+held per micro-batch chunk in flight, from its forward to its backward, in the schedule's order
+(megatron/pipeline_timeline.py: min(p - s, m) micro-batches with 1F1B, the first stage the peak
+at p; interleaved min(2(p-s-1) + (v-1)p + 1, m*v) chunks, Megatron's p*(1 + (p-1)/(p*v))
+stages' worth on the first stage). Each unit holds its chunk's layers' activations (or, with
+full recomputation, their inputs), the first chunk's embedding-side terms, the last chunk's
+head-side terms, and every other chunk its output (e*s*b*h, the tensor sent on), which the
+schedule keeps until the backward. The logits are the last stage's, the tied embedding's
+``.grad`` the first's and the last's. m micro-batches per step, p > 1: the bubble is
+(p - 1)/(m*v) of the busy time.
+
 **Head tokens**: GPT's LM head sees all b*s tokens; BERT's runs on the masked ones only,
 b*n with n = masked_count(s - 3) (every token but [CLS] and two [SEP] maskable: the most a
 sample masks), so its head terms and its logits scale with b*n instead.
@@ -53,11 +83,13 @@ FLOPs come from megatron/flops.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatron.config import Config, ModelConfig
 from megatron.data.bert_dataset import masked_count
+from megatron.pipeline_timeline import peak_held, schedule_units
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
@@ -96,20 +128,46 @@ def count_parameters(
     binary_head: bool = True,
 ) -> ParamCount:
     """The parameters of GPT (or BERT) with this shape; ``model`` must be resolved (ffn set)."""
+    return stage_parameters(
+        model, padded_vocab_size, tp_size, 1, 0, model_type, num_tokentypes, binary_head
+    )
+
+
+def stage_parameters(
+    model: ModelConfig,
+    padded_vocab_size: int,
+    tp_size: int,
+    pp_size: int,
+    stage: int,
+    model_type: ModelType = "gpt",
+    num_tokentypes: int = 2,
+    binary_head: bool = True,
+) -> ParamCount:
+    """The parameters pipeline stage ``stage`` of ``pp_size`` holds (see the module docstring):
+    its num_layers / pp layers, the embeddings on the first stage, the final LayerNorm and heads
+    on the last, which with pp > 1 holds its own copy of the word embedding for the tied head."""
     h, f, v = model.hidden_size, model.ffn_hidden_size, padded_vocab_size
-    layer_split = (3 * h * h + 3 * h) + h * h + (f * h + f) + h * f
-    layer_replicated = 6 * h
-    split = model.num_layers * layer_split + v * h
-    replicated = model.num_layers * layer_replicated + model.max_position_embeddings * h
-    if model.layernorm_position == "pre":
-        replicated += 2 * h
-    if model_type == "bert":
-        split += v  # the LM head's output bias, split by vocabulary like the logits
-        replicated += num_tokentypes * h + (h * h + h) + 2 * h
-        if model.layernorm_position == "post":
-            replicated += 2 * h  # the embedding LayerNorm
-        if binary_head:
-            replicated += (h * h + h) + (2 * h + 2)
+    layers = model.num_layers // pp_size
+    first, last = stage == 0, stage == pp_size - 1
+    split = layers * ((3 * h * h + 3 * h) + h * h + (f * h + f) + h * f)
+    replicated = layers * 6 * h
+    if first:
+        split += v * h
+        replicated += model.max_position_embeddings * h
+        if model_type == "bert":
+            replicated += num_tokentypes * h
+            if model.layernorm_position == "post":
+                replicated += 2 * h  # the embedding LayerNorm
+    if last:
+        if pp_size > 1:
+            split += v * h  # the tied LM head's own copy of the word embedding
+        if model.layernorm_position == "pre":
+            replicated += 2 * h
+        if model_type == "bert":
+            split += v  # the LM head's output bias, split by vocabulary like the logits
+            replicated += (h * h + h) + 2 * h
+            if binary_head:
+                replicated += (h * h + h) + (2 * h + 2)
     return ParamCount(tp_size, split, replicated)
 
 
@@ -119,10 +177,13 @@ def layer_activation_bytes(
     tp_size: int,
     elem_bytes: int,
     fused_attention: bool = True,
+    sequence_parallel: bool = False,
 ) -> int:
     """Bytes one transformer layer stores for backward (see the module docstring).
 
-    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities.
+    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities;
+    ``sequence_parallel`` splits the LayerNorm inputs, dropout masks and statistics over the TP
+    ranks.
     """
     s, b, h, f, a = (
         model.seq_length,
@@ -133,14 +194,19 @@ def layer_activation_bytes(
     )
     hidden_masks = 2 if model.hidden_dropout > 0 else 0
     layernorm_stats = 2 * 8 * s * b  # fp32 mean and rstd of two LayerNorms
-    replicated = s * b * h * (4 * elem_bytes + hidden_masks) + layernorm_stats
+    # The LayerNorms' inputs (the residual stream), the dropout masks and the statistics; then
+    # the inputs of QKV and fc1, which the column-parallel layers keep whole (gathered).
+    sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + layernorm_stats
+    column_inputs = 2 * s * b * h * elem_bytes
     split = s * b * (4 * h + 2 * f) * elem_bytes
     if fused_attention:
         split += 4 * a * s * b  # the log-sum-exp; the output is the dense input, counted above
     else:
         dropped = (1 + elem_bytes) if model.attention_dropout > 0 else 0  # mask, dropped copy
         split += a * s * s * b * (elem_bytes + dropped)
-    return replicated + -(-split // tp_size)
+    if sequence_parallel:
+        sequence_split = -(-sequence_split // tp_size)
+    return sequence_split + column_inputs + -(-split // tp_size)
 
 
 @dataclass(frozen=True)
@@ -149,14 +215,16 @@ class MemoryEstimate:
 
     weights: int
     main_grads: int  # fp32 main_grad buffer of the data-parallel wrapper
-    main_params: int  # fp32 copies for bf16/fp16 parameters; 0 in fp32
-    adam_moments: int  # exp_avg and exp_avg_sq, fp32
+    main_params: int  # fp32 copies (bf16/fp16, or this rank's shard with the distributed optimizer)
+    adam_moments: int  # exp_avg and exp_avg_sq, fp32 (this rank's shard with the distributed one)
     embedding_grad: int  # the tied word embedding's .grad in the model dtype during backward
     activations_no_recompute: int
     activations_recompute: int
     unfused_attention_extra: int  # what materialised attention probabilities would add, per layer
     logits: int  # logits and cross-entropy buffers of one micro-batch
     recompute: bool  # whether the config recomputes (which activation figure counts)
+    stage: int = 0  # the pipeline stage these bytes are for
+    in_flight: int = 1  # micro-batch chunks whose activations the stage holds at its peak
 
     @property
     def states(self) -> int:
@@ -175,19 +243,31 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    cfg: Config, padded_vocab_size: int, model_type: ModelType = "gpt"
+    cfg: Config,
+    padded_vocab_size: int,
+    model_type: ModelType = "gpt",
+    dp_size: int = 1,
+    stage: int = 0,
 ) -> MemoryEstimate:
-    """Per-GPU memory of training ``cfg`` (see the module docstring for every term)."""
-    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
+    """Per-GPU memory of training ``cfg`` on ``dp_size`` DP replicas (which the distributed
+    optimizer's shards and the pipeline's micro-batch count depend on), on pipeline stage
+    ``stage``; see the module docstring for every term."""
+    m, tp, sp = cfg.model, cfg.parallel.tensor_parallel_size, cfg.parallel.sequence_parallel
+    pp, chunks = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size or 1
+    first, last = stage == 0, stage == pp - 1
     e = DTYPE_BYTES[cfg.precision.dtype]
-    params = count_parameters(
+    params = stage_parameters(
         m,
         padded_vocab_size,
         tp,
+        pp,
+        stage,
         model_type,
         cfg.bert.num_tokentypes,
         cfg.bert.binary_head != "none",
     ).per_gpu
+    # The parameters whose fp32 main copy and moments this rank holds.
+    owned = -(-params // dp_size) if cfg.parallel.distributed_optimizer else params
     b = cfg.training.micro_batch_size
     sbh = m.seq_length * b * m.hidden_size
     tokens = m.seq_length * b
@@ -195,35 +275,78 @@ def estimate_memory(
     if model_type == "bert":
         head_tokens = b * masked_count(m.seq_length - 3, cfg.bert.masked_lm_prob)
     binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
-    # The embedding dropout mask and the final hidden states (GPT's LM head input; BERT's pooler
-    # keeps them alive through its [CLS] view); pre-LN adds the final LayerNorm's input and
-    # statistics (GPT's post-LN ends in a layer's own LayerNorm; BERT's post-LN starts with the
-    # embedding LayerNorm, as big).
-    outside_layers = (1 if m.hidden_dropout > 0 else 0) * sbh
+
+    def seq_split(n: int) -> int:  # what sequence parallelism splits over TP
+        return -(-n // tp) if sp else n
+
+    # Outside the layers, on the first stage: the embedding dropout mask, and BERT's post-LN
+    # embedding LayerNorm input and statistics. On the last: pre-LN's final LayerNorm input and
+    # statistics (GPT's post-LN ends in a layer's own LayerNorm), all split along the sequence
+    # with sequence parallelism; then the final hidden states, whole (GPT's LM head input; BERT's
+    # pooler keeps them alive through its [CLS] view), and BERT's heads.
+    layernorm = e * sbh + 8 * tokens
+    embedding_side = (1 if m.hidden_dropout > 0 else 0) * sbh
+    if model_type == "bert" and m.layernorm_position == "post":
+        embedding_side += layernorm
+    head_side = layernorm if m.layernorm_position == "pre" else 0
+    head_side = seq_split(head_side)
     if model_type == "gpt" or binary_head:
-        outside_layers += e * sbh
-    if m.layernorm_position == "pre" or model_type == "bert":
-        outside_layers += e * sbh + 8 * tokens
+        head_side += e * sbh
     if model_type == "bert":
         # MLM head: the dense, GeLU, LayerNorm and logit-matmul inputs, the LayerNorm statistics
-        outside_layers += 4 * e * head_tokens * m.hidden_size + 8 * head_tokens
+        head_side += 4 * e * head_tokens * m.hidden_size + 8 * head_tokens
     if binary_head:
-        outside_layers += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
-    layer = layer_activation_bytes(m, cfg.training.micro_batch_size, tp, e)
-    unfused = layer_activation_bytes(m, cfg.training.micro_batch_size, tp, e, False)
+        head_side += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
+    layer = layer_activation_bytes(m, b, tp, e, sequence_parallel=sp)
+    unfused = layer_activation_bytes(m, b, tp, e, False, sp)
+    layer_input = seq_split(e * sbh)  # what full recomputation keeps
+    chunk_layers = m.num_layers // (pp * chunks)
+
+    def held(per_layer: int) -> list[int]:
+        """Bytes one micro-batch holds on each of this stage's chunks until its backward."""
+        out = []
+        for c in range(chunks):
+            n = chunk_layers * per_layer
+            n += seq_split(embedding_side) if first and c == 0 else 0
+            # The loss chunk ends the micro-batch; every other chunk's schedule keeps its output
+            # (the tensor sent on, [s, b, h]) until its backward.
+            n += head_side if last and c == chunks - 1 else layer_input
+            out.append(n)
+        return out
+
+    units = schedule_units(pp, chunks, cfg.training.global_batch_size // (b * dp_size), stage)
     vocab_local = padded_vocab_size // tp
+    # fp32 parameters are their own main copy, with or without the distributed optimizer.
+    has_main_copy = e != 4
     return MemoryEstimate(
         weights=e * params,
         main_grads=4 * params,
-        main_params=4 * params if e != 4 else 0,
-        adam_moments=8 * params,
-        embedding_grad=e * vocab_local * m.hidden_size,
-        activations_no_recompute=m.num_layers * layer + outside_layers,
-        activations_recompute=m.num_layers * e * sbh + layer + outside_layers,
+        main_params=4 * owned if has_main_copy else 0,
+        adam_moments=8 * owned,
+        embedding_grad=e * vocab_local * m.hidden_size if first or last else 0,
+        activations_no_recompute=peak_held(units, held(layer)),
+        activations_recompute=peak_held(units, held(layer_input)) + layer,
         unfused_attention_extra=unfused - layer,
-        logits=(e + 4) * head_tokens * vocab_local,
+        logits=(e + 4) * head_tokens * vocab_local if last else 0,
         recompute=m.recompute == "full",
+        stage=stage,
+        in_flight=peak_held(units, [1] * chunks),
     )
+
+
+def estimate_stages(
+    cfg: Config, padded_vocab_size: int, model_type: ModelType = "gpt", dp_size: int = 1
+) -> list[MemoryEstimate]:
+    """``estimate_memory`` for every pipeline stage, first to last."""
+    stages = range(cfg.parallel.pipeline_parallel_size)
+    return [estimate_memory(cfg, padded_vocab_size, model_type, dp_size, s) for s in stages]
+
+
+def worst_stage(
+    cfg: Config, padded_vocab_size: int, model_type: ModelType = "gpt", dp_size: int = 1
+) -> MemoryEstimate:
+    """The stage that needs the most memory as configured (the first, with 1F1B and p > 1)."""
+    return max(estimate_stages(cfg, padded_vocab_size, model_type, dp_size), key=lambda e: e.total)
 
 
 def usable_bytes(gpu_memory_gb: float) -> int:
@@ -234,3 +357,44 @@ def usable_bytes(gpu_memory_gb: float) -> int:
 def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
     """True when ``total_bytes`` leaves the reserved fraction of the GPU free."""
     return total_bytes <= usable_bytes(gpu_memory_gb)
+
+
+def memory_table(
+    cfg: Config, vocab_size: int, world_size: int, gpu_memory_gb: float, tp_sizes: Sequence[int]
+) -> str:
+    """A Markdown table of the GPT ``cfg``'s per-GPU GiB at each TP size (DP = world / TP), with and
+    without full recomputation: as is, with the distributed optimizer, with sequence parallelism
+    (TP > 1 only) and with both. Bold figures fit a ``gpu_memory_gb`` GPU (see ``fits``)."""
+    options = {
+        "plain": (False, False),
+        "distributed optimizer": (True, False),
+        "sequence parallel": (False, True),
+        "both": (True, True),
+    }
+    lines = [
+        f"| TP x DP | recompute | {' | '.join(options)} |",
+        "|---|---|" + "---:|" * len(options),
+    ]
+    for tp in tp_sizes:
+        dp = world_size // tp
+        for recompute in ("full", "none"):
+            cells = []
+            for distributed, sequence in options.values():
+                if sequence and tp == 1:
+                    cells.append("-")
+                    continue
+                parallel = replace(
+                    cfg.parallel,
+                    tensor_parallel_size=tp,
+                    distributed_optimizer=distributed,
+                    sequence_parallel=sequence,
+                )
+                changed = replace(
+                    cfg, model=replace(cfg.model, recompute=recompute), parallel=parallel
+                )
+                padded = changed.derived(world_size).padded_vocab_size(vocab_size)
+                total = estimate_memory(changed, padded, "gpt", dp).total
+                text = f"{total / GIB:.2f}"
+                cells.append(f"**{text}**" if fits(total, gpu_memory_gb) else text)
+            lines.append(f"| {tp} x {dp} | {recompute} | {' | '.join(cells)} |")
+    return "\n".join(lines)

@@ -23,6 +23,13 @@ from megatron.config import Config
 from megatron.flops import flops_per_iteration
 
 log = logging.getLogger("megatron")
+# The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
+# first number after "peak memory (MB): " stays rank 0's, as tools/gpu_check reads it).
+_MEMORY_LABELS = {
+    "mem_optimizer_mb": "optimizer state (MB)",
+    "mem_peak_mb": "peak memory (MB)",
+    "mem_allocated_mb": "memory now (MB)",
+}
 
 
 def setup_logging(rank: int) -> None:
@@ -35,11 +42,33 @@ def setup_logging(rank: int) -> None:
     log.propagate = False
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated device memory (CUDA), or the process's peak resident size (CPU)."""
+MB = 2**20
+
+
+def memory_mb(device: torch.device, optimizer_bytes: int) -> dict[str, float]:
+    """This rank's memory now, in MB (2^20 bytes), read on the host without waiting for the device.
+
+    - ``mem_optimizer_mb``: ``optimizer_bytes``, the optimizer's ``state_bytes()``: fp32 main
+      copies and Adam moments this rank holds (its shard of them, with the distributed optimizer).
+    - ``mem_peak_mb``: on CUDA, ``torch.cuda.max_memory_allocated``: the most the caching
+      allocator has handed out to tensors at once since the start (not what it reserved from the
+      driver, nor the CUDA context); on CPU, the process's peak resident set (``getrusage``
+      ``ru_maxrss``): all RAM it ever held at once, Python, libraries and tensors alike.
+    - ``mem_allocated_mb``: the same now: ``torch.cuda.memory_allocated``, or the resident set.
+    """
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+        peak = torch.cuda.max_memory_allocated(device)
+        now = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/statm") as f:  # pages: size, resident, ...
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # Linux reports KiB, and updates its high-water mark lazily: it can lag the RSS now.
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, now)
+    return {
+        "mem_optimizer_mb": optimizer_bytes / MB,
+        "mem_peak_mb": peak / MB,
+        "mem_allocated_mb": now / MB,
+    }
 
 
 class _NullWriter:
@@ -148,11 +177,19 @@ class MetricsLogger:
             self.metrics.write(json.dumps(entry) + "\n")
 
     def training(
-        self, iteration: int, samples: int, window: LogWindow, step: dict[str, float]
+        self,
+        iteration: int,
+        samples: int,
+        window: LogWindow,
+        step: dict[str, float],
+        memory: dict[str, list[float]],
     ) -> None:
         """The line for ``window``, which ends at ``iteration`` after ``samples`` samples.
 
-        ``step``: the last step's ``learning rate``, ``loss scale`` and ``grad norm``.
+        ``step``: the last step's ``learning rate``, ``loss scale`` and ``grad norm``;
+        ``memory``: each ``memory_mb`` figure of every rank (index: global rank), read after the
+        last step's backward and before its update: a peak covers every earlier update, so at
+        iteration 1 it does not yet hold the Adam moments torch allocates in the first update.
         """
         means, work = window.means(), self.work
         seconds = window.seconds / window.steps
@@ -172,10 +209,14 @@ class MetricsLogger:
                 "ms_per_iter": 1000 * seconds,
                 "tokens_per_s": tokens_per_s,
                 "tflops": tflops,
+                **memory,
             }
         )
         scalars = {"learning-rate": lr, **means, "loss-scale": scale, "grad-norm": norm}
         self.scalars({**scalars, "iteration-time": seconds}, iteration, samples)
+        for name, values in memory.items():  # one curve per rank: mem-peak-mb/rank-0, ...
+            for rank, value in enumerate(values):
+                self.tb.add_scalar(f"{name.replace('_', '-')}/rank-{rank}", value, iteration)
         fields: dict[str, Any] = {
             "iteration": f"{iteration:8d}/{work.train_iters:8d}",
             "consumed samples": samples,
@@ -188,7 +229,7 @@ class MetricsLogger:
             "grad norm": norm,
             "skipped iterations": window.skipped,
             "nan iterations": window.nans,
-            "peak memory (MB)": peak_memory_mb(work.device),
+            **{_MEMORY_LABELS[k]: "/".join(f"{v:.1f}" for v in vs) for k, vs in memory.items()},
         }
         log.info(format_line(fields))
 

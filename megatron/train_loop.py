@@ -4,6 +4,10 @@ its end) -> LR step -> evaluate -> log -> save, and the ``Progress`` a checkpoin
 
 ``megatron.training`` builds everything this loop needs and hands it over; nothing here reads the
 launcher or builds a model.
+
+With pipeline parallelism the step's micro-batches go through ``PipelineStage`` (1F1B, or
+interleaved 1F1B with virtual stages) instead of one forward/backward each; the loss, metrics and
+skip agreement come from the last stage, through the same world all-reduce.
 """
 
 from __future__ import annotations
@@ -19,18 +23,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron import checkpointing
+from megatron.async_checkpoint import Checkpointer
 from megatron.config import Config
-from megatron.logging import LogWindow, MetricsLogger, log
+from megatron.logging import LogWindow, MetricsLogger, log, memory_mb
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.optim.optimizer import MixedPrecisionOptimizer, StepResult
 from megatron.parallel.data_parallel import DataParallel
+from megatron.parallel.heartbeat import Heartbeat
+from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
 from megatron.parallel.random import RNGTracker
+from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from megatron.parallel.state import ParallelState
 from megatron.preemption import ExitPolicy
 
 Batch = dict[str, Tensor]
-# forward_step(model, batch) -> (loss to minimise, {metric name: detached scalar tensor})
+# forward_step(model, batch) -> (loss to minimise, {metric name: detached scalar tensor}); on a
+# pipeline chunk whose ``model.computes_loss`` is False: (activation for the next stage, {}).
 ForwardStep = Callable[[nn.Module, Batch], tuple[Tensor, dict[str, Tensor]]]
 
 
@@ -74,33 +82,76 @@ class TrainLoop:
     forward_step: ForwardStep
     num_micro: int
     vocab_size: int
+    heartbeat: Heartbeat | None = None  # told the iteration, to say where a lost rank stopped
+    stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
+    checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
+
+    def logs_at(self, iteration: int) -> bool:
+        """Whether ``iteration`` ends with a training line."""
+        t = self.cfg.training
+        return iteration % self.cfg.logging.log_interval == 0 or iteration == t.train_iters
 
     def train_step(
         self, data: Iterator[Batch], policy: ExitPolicy
-    ) -> tuple[StepResult, dict[str, float], list[float]]:
+    ) -> tuple[StepResult, dict[str, float], dict[str, list[float]], list[float]]:
         """One optimizer step over ``num_micro`` micro-batches: its result, the metrics averaged
-        over the micro-batches and DP, and the exit flags summed over the world.
+        over the micro-batches and DP, every rank's memory figures when this step is logged
+        ({} otherwise), and the exit flags summed over the world.
 
         Nothing here waits for the device but the optimizer's one host sync, after the step's
-        last kernel; the metrics and the flags ride in the step's all-reduce and that sync.
+        last kernel; the metrics, the memory and the flags ride in the step's all-reduce and
+        that sync.
         """
         self.ddp.zero_grad_buffer()
         sums: dict[str, Tensor] = {}
-        for i in range(self.num_micro):
-            batch = to_device(next(data), self.state.device)
-            # Only the last micro-batch's backward all-reduces gradients over DP.
-            last = i == self.num_micro - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                loss, values = self.forward_step(self.model, batch)
-                self.optimizer.scale_loss(loss / self.num_micro).backward()
-            for name, value in values.items():
-                sums[name] = sums.get(name, 0.0) + value.detach().float()
-        self.ddp.finish_grad_sync()  # waits for the buckets still in flight
+        if self.stage is not None:
+            sums = self._pipeline_step(data)
+        else:
+            for i in range(self.num_micro):
+                batch = to_device(next(data), self.state.device)
+                # Only the last micro-batch's backward all-reduces gradients over DP.
+                last = i == self.num_micro - 1
+                with contextlib.nullcontext() if last else self.ddp.no_sync():
+                    loss, values = self.forward_step(self.model, batch)
+                    self.optimizer.scale_loss(loss / self.num_micro).backward()
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0.0) + value.detach().float()
+        self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
+        # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
+        # slice of the sequence only; one all-reduce over TP sums them before clipping.
+        allreduce_sequence_parallel_grads(self.model, self.state.tp_group)
         means = {k: v / self.num_micro for k, v in sums.items()}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
-        result = self.optimizer.step(policy.contribution(means, self.state))
-        return result, *policy.split_sums(list(sums), result.sums, self.state)
+        # A logged step's memory (host-side reads: after backward, before the update) rides too.
+        memory: dict[str, float] = {}
+        if self.logs_at(self.progress.iteration + 1):
+            memory = memory_mb(self.state.device, self.optimizer.state_bytes())
+        result = self.optimizer.step(policy.contribution(means, self.state, [*memory.values()]))
+        means, per_rank, flags = policy.split_sums(list(sums), result.sums, self.state, len(memory))
+        return result, means, dict(zip(memory, per_rank, strict=True)), flags
+
+    def _pipeline_step(self, data: Iterator[Batch]) -> dict[str, Tensor]:
+        """The step's forwards and backwards through the pipeline schedule; the metrics summed
+        over its micro-batches (zeros before the last stage).
+
+        Each model chunk's last backward of the step all-reduces its gradients over DP while
+        the schedule goes on; the bucket holding the tied word embedding waits until its two
+        copies (first and last stage) have summed their gradients, then ``finish_grad_sync``
+        launches it.
+        """
+        batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
+
+        def scale(loss: Tensor) -> Tensor:
+            return self.optimizer.scale_loss(loss / self.num_micro)
+
+        def sync_last(chunk: int, microbatch: int) -> None:
+            self.ddp.sync_backward(microbatch == self.num_micro - 1)
+
+        with self.ddp.no_sync():
+            sums, _ = self.stage.run(batches, self.num_micro, scale, sync_last)
+        allreduce_tied_grads(self.model, self.state)
+        return sums
 
     @torch.no_grad()
     def evaluate(
@@ -111,10 +162,18 @@ class TrainLoop:
         during it counts now); one all-reduce and one host sync."""
         self.model.eval()
         sums: dict[str, Tensor] = {}
-        for _ in range(iters * self.num_micro):
-            batch = to_device(next(data), self.state.device)
-            for name, value in self.forward_step(self.model, batch)[1].items():
-                sums[name] = sums.get(name, 0.0) + value.float()
+        if self.stage is not None:
+            # The forward-only schedule, one step's micro-batches at a time.
+            for _ in range(iters):
+                batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
+                step_sums, _ = self.stage.run(batches, self.num_micro, forward_only=True)
+                for name, value in step_sums.items():
+                    sums[name] = sums.get(name, 0.0) + value
+        else:
+            for _ in range(iters * self.num_micro):
+                batch = to_device(next(data), self.state.device)
+                for name, value in self.forward_step(self.model, batch)[1].items():
+                    sums[name] = sums.get(name, 0.0) + value.float()
         self.model.train()
         count = iters * self.num_micro
         local = policy.contribution({k: v / count for k, v in sums.items()}, self.state)
@@ -122,12 +181,17 @@ class TrainLoop:
             # The means over DP, and the flags of every rank, so that all stop together.
             dist.all_reduce(local)
         # The evaluation's one host sync: its means are logged now.
-        return policy.split_sums(list(sums), local.tolist(), self.state)
+        means, _, flags = policy.split_sums(list(sums), local.tolist(), self.state)
+        return means, flags
 
     def save(self) -> None:
-        """A checkpoint of this iteration under checkpoint.save (if set)."""
+        """A checkpoint of this iteration under checkpoint.save (if set); with
+        checkpoint.async_save it is written in the background while training goes on."""
         if self.cfg.checkpoint.save:
-            checkpointing.save_checkpoint(
+            if self.checkpointer is None:
+                async_save = self.cfg.checkpoint.async_save
+                self.checkpointer = Checkpointer(async_save, self.metrics.record)
+            self.checkpointer.save(
                 self.cfg.checkpoint.save,
                 self.progress.iteration,
                 self.model,
@@ -148,12 +212,32 @@ class TrainLoop:
         policy: ExitPolicy,
     ) -> int:
         """Iterate until train_iters or an agreed exit; the exit code. Reaching train_iters,
-        the test split is evaluated once (training.test_iters batches)."""
+        the test split is evaluated once (training.test_iters batches).
+
+        Every exit (the end, a signal, the NaN stop, an exception) first waits for a save still
+        being written in the background; that save's error, if any, is raised here.
+        """
+        try:
+            return self._iterate(train_iter, valid_iter, test_iter, policy)
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+
+    def _iterate(
+        self,
+        train_iter: Iterator[Batch],
+        valid_iter: Iterator[Batch] | None,
+        test_iter: Iterator[Batch] | None,
+        policy: ExitPolicy,
+    ) -> int:
+        """The loop of ``run``."""
         cfg, p, t = self.cfg, self.progress, self.cfg.training
         self.model.train()
         while p.iteration < t.train_iters:
+            if self.heartbeat is not None:
+                self.heartbeat.at_iteration(p.iteration + 1)
             start = time.perf_counter()
-            result, means, flags = self.train_step(train_iter, policy)
+            result, means, memory, flags = self.train_step(train_iter, policy)
             # The step ended in a host sync after its last kernel (the optimizer's copy-back), so
             # this is the device's time too; evaluation time is not iteration time.
             seconds = time.perf_counter() - start
@@ -176,13 +260,14 @@ class TrainLoop:
             stop = policy.reason(p.iteration, flags)
             p.window.add(means, seconds, not result.updated, nan)
 
-            if p.iteration % cfg.logging.log_interval == 0 or p.iteration == t.train_iters:
+            if self.logs_at(p.iteration):
                 step = {
                     "learning rate": self.optimizer.lr,
                     "loss scale": result.loss_scale,
                     "grad norm": result.grad_norm,
                 }
-                self.metrics.training(p.iteration, p.consumed_train_samples, p.window, step)
+                samples = p.consumed_train_samples
+                self.metrics.training(p.iteration, samples, p.window, step, memory)
                 p.window = LogWindow()
             if evaluated is not None:
                 self.metrics.validation(p.iteration, p.consumed_train_samples, evaluated)

@@ -11,7 +11,9 @@ the test split once (``test_iters``).
 
 Resuming is bit-exact: a checkpoint holds every rank's RNG states, the data position of both
 streams, the optimizer, loss scaler and LR schedule, and the open log window. If a peer dies or
-freezes, the collective that fails names no rank; the heartbeat does, and the run exits 1.
+freezes, the heartbeat names it and the run exits 1: when a collective fails (gloo), or, where
+none fails (NCCL hangs), from the heartbeat's own thread after ``parallel.heartbeat_grace_s``.
+Rank 0 holds ``checkpoint.save``'s lock (``run_lock``): a second run there refuses to start.
 """
 
 from __future__ import annotations
@@ -34,22 +36,25 @@ from megatron.config_load import parse_args
 from megatron.data.loader import build_loader
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import samples_per_split
+from megatron.data.token_range import check_data_ids
 from megatron.data.tokenizers import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.logging import MetricsLogger, Workload, log, setup_logging
+from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import DTYPES, build_optimizer
+from megatron.optim.optimizer import DTYPES
 from megatron.parallel import state as parallel_state
 from megatron.parallel.data_parallel import DataParallel
+from megatron.parallel.heartbeat import PEER_FAILURE, Heartbeat
+from megatron.parallel.pipeline.stage import PipelineStage, activation_spec
 from megatron.parallel.random import RNGTracker
-from megatron.parallel.state import Heartbeat, ParallelState
+from megatron.parallel.state import ParallelState
 from megatron.preemption import ExitPolicy, ExitSignal
+from megatron.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
 from megatron.train_loop import Batch, ForwardStep, Progress, TrainLoop
 
 ModelProvider = Callable[[Config, int, int, ParallelState, RNGTracker], nn.Module]
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
-
-PEER_FAILURE = 1  # exit code when a peer died or froze
 
 
 def main(
@@ -99,15 +104,25 @@ def pretrain(
     # Installed before the slow setup: a signal that comes while indices are built is then acted
     # on at the first iteration instead of killing the process.
     exit_signal = ExitSignal(cfg.training.exit_signal)
+    lock: RunLock | NoLock = NO_LOCK  # checkpoint.save's, released on every way out
     try:
         state = parallel_state.initialize(
-            cfg.parallel.tensor_parallel_size, cfg.parallel.timeout_minutes
+            cfg.parallel.tensor_parallel_size,
+            cfg.parallel.timeout_minutes,
+            cfg.parallel.pipeline_parallel_size,
         )
         setup_logging(state.rank)
-        heartbeat = Heartbeat(state.rank, state.world_size) if state.world_size > 1 else None
+        grace = cfg.parallel.heartbeat_grace_s
+        lock = hold_save_dir(cfg.checkpoint.save, grace, state)
+        # The heartbeat ends the process itself when a peer is lost: it releases the lock first.
+        heartbeat = None
+        if state.world_size > 1:
+            heartbeat = Heartbeat(state.rank, state.world_size, grace, lock.release)
         policy = ExitPolicy(cfg.training, exit_signal, start_time)
         try:
-            code = _train(cfg, state, model_provider, datasets_provider, forward_step, policy)
+            code = _train(
+                cfg, state, model_provider, datasets_provider, forward_step, policy, heartbeat
+            )
         except Exception as err:
             if heartbeat is None:
                 raise
@@ -117,6 +132,7 @@ def pretrain(
         parallel_state.shutdown()
         return code
     finally:
+        lock.release()
         exit_signal.restore()
 
 
@@ -138,15 +154,17 @@ def _train(
     datasets_provider: DatasetsProvider,
     forward_step: ForwardStep,
     policy: ExitPolicy,
+    heartbeat: Heartbeat | None,
 ) -> int:
     """Build everything, resume if there is a checkpoint, run the loop."""
     derived = cfg.derived(state.world_size)
     config_text = to_yaml(cfg)
     log.info("resolved config:\n%s", config_text)
     log.info(
-        "world %d = dp %d x tp %d; %d micro-batches per step",
+        "world %d = dp %d x pp %d x tp %d; %d micro-batches per step",
         state.world_size,
         derived.dp_size,
+        state.pp_size,
         derived.tp_size,
         derived.num_micro_batches,
     )
@@ -166,13 +184,21 @@ def _train(
     tokenizer = build_tokenizer(**asdict(cfg.tokenizer))
     if state.rank == 0:  # one line when the data's sidecar names another tokenizer
         check_data_tokenizer(cfg.tokenizer, cfg.data, log.warning, tokenizer)
+    # Every rank: an id outside the vocabulary would fail in the embedding at step 1. One scan
+    # per file and node (then cached), and every rank raises the same ConfigError after the
+    # cache's barrier, so none is left waiting in a collective.
+    check_data_ids(cfg.data, tokenizer.vocab_size)
     padded_vocab = derived.padded_vocab_size(tokenizer.vocab_size)
     model = model_provider(cfg, tokenizer.vocab_size, padded_vocab, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model: %d parameters on TP rank 0 (padded vocab %d)", n_params, padded_vocab)
-    ddp = DataParallel(model, state, cfg.parallel.ddp_bucket_size_mb)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state)
+    # Rank 0's share: its TP slice of its pipeline stage.
+    log.info("model: %d parameters on rank 0 (padded vocab %d)", n_params, padded_vocab)
+    # With parallel.distributed_optimizer the buckets are reduce-scattered and each DP rank
+    # updates its shard of them (megatron/optim/distributed_optimizer.py).
+    sharded = cfg.parallel.distributed_optimizer
+    ddp = DataParallel(model, state, cfg.parallel.ddp_bucket_size_mb, shard_optimizer=sharded)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
     schedule = LRSchedule.from_config(cfg.optimizer)
 
     progress = Progress()
@@ -227,11 +253,25 @@ def _train(
         forward_step,
         derived.num_micro_batches,
         tokenizer.vocab_size,
+        heartbeat=heartbeat,
+        stage=_pipeline_stage(cfg, state, model, forward_step),
     )
     try:
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
         metrics.close()
+
+
+def _pipeline_stage(
+    cfg: Config, state: ParallelState, model: nn.Module, forward_step: ForwardStep
+) -> PipelineStage | None:
+    """This rank's pipeline stage, which runs the schedule; None without pipeline parallelism."""
+    if state.pp_size == 1:
+        return None
+    dtype = DTYPES[cfg.precision.dtype]
+    mbs, sequence_parallel = cfg.training.micro_batch_size, cfg.parallel.sequence_parallel
+    spec = activation_spec(cfg.model, mbs, state, sequence_parallel, dtype)
+    return PipelineStage(model, forward_step, state, spec)
 
 
 def _resume_source(cfg: Config) -> tuple[str | None, bool]:

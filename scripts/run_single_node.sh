@@ -13,11 +13,17 @@
 #   ENTRYPOINT  pretrain_gpt.py (default) or pretrain_bert.py
 #   LOG_DIR     where torchrun tees every rank's stdout/stderr (default: logs/torchrun)
 #   PYTHON      interpreter with the requirements installed (default: python)
-#   SHUTDOWN_TIMEOUT  seconds torchrun waits for the ranks after forwarding SIGTERM (default 280)
+#   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other ranks after one fails (default 280)
 #
-# Run from the repository root. `kill -TERM <torchrun pid>` makes every rank save and exit
-# (training.exit_signal=SIGTERM): torchrun forwards the signal and, by default, sends SIGKILL
-# 30 s later; --shutdown-timeout below gives a large model's save SHUTDOWN_TIMEOUT seconds.
+# Run from the repository root. SIGTERM (what a scheduler or `kill` sends), SIGUSR1 or SIGUSR2
+# to this script makes every rank save and exit 0: the script sends training.exit_signal to the
+# ranks themselves (torchrun's children), and torchrun, started with these three ignored and
+# without them in --signals-to-handle, does not act on them. Were torchrun to catch one, it would
+# pass it on and then exit 1 (a SignalException) even after every rank saved; this way the
+# script's exit status is torchrun's, which is the ranks' own (a signal that comes before the
+# ranks have started reaches none of them). A collective that fails or times out ends the process
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) after dumping the flight recorder
+# (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_NCCL_TRACE_BUFFER_SIZE=2000); set them to override.
 set -euo pipefail
 
 if (($# < 1)); then
@@ -62,9 +68,53 @@ fi
 # column-parallel layers' input-gradient all-reduce, issued before their weight-gradient GEMM,
 # really runs alongside it (megatron/parallel/layers.py turns that overlap on only with this set).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 
+# torchrun runs with the stop signals ignored and leaves them out of --signals-to-handle.
+STOP_SIGNALS=(SIGTERM SIGUSR1 SIGUSR2)
 CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC"
-    --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --shutdown-timeout="$SHUTDOWN_TIMEOUT"
-    "$ENTRYPOINT" --config "$CONFIG" "$@")
+    --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --signals-to-handle=SIGINT,SIGHUP,SIGQUIT
+    --shutdown-timeout="$SHUTDOWN_TIMEOUT" "$ENTRYPOINT" --config "$CONFIG" "$@")
 echo "== ${CMD[*]}"
-exec "${CMD[@]}"
+
+OVERRIDES=("$@")
+# The signal the ranks save on, read with the run's own config loader when a stop comes.
+exit_signal() {
+    "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
+import sys
+
+from megatron.config_load import load_config
+
+print(load_config([sys.argv[1]], sys.argv[2:]).training.exit_signal)
+EOF
+}
+TORCHRUN_PID=
+TRAPPED= # set by the trap, so that the wait it cut short is waited again
+on_stop() {
+    local signal
+    TRAPPED=1
+    if ! signal=$(exit_signal); then
+        signal=SIGTERM
+        echo "== could not read training.exit_signal from $CONFIG; sending $signal"
+    fi
+    echo "== $(date -Is) $1: every rank saves and exits ($signal to torchrun's workers)"
+    if [[ -n $TORCHRUN_PID ]]; then pkill "-$signal" -P "$TORCHRUN_PID" || true; fi
+}
+for sig in "${STOP_SIGNALS[@]}"; do trap "on_stop $sig" "$sig"; done
+# The subshell becomes torchrun (same pid) with the stop signals ignored: an ignored signal stays
+# ignored across exec, and torchrun's workers install their own handler for training.exit_signal
+# (the other two stay ignored in them).
+(
+    trap '' "${STOP_SIGNALS[@]}"
+    exec "${CMD[@]}"
+) &
+TORCHRUN_PID=$!
+while :; do
+    TRAPPED=
+    status=0
+    wait "$TORCHRUN_PID" || status=$?
+    if ((status > 128)) && [[ -n $TRAPPED ]]; then continue; fi
+    exit "$status"
+done

@@ -1,17 +1,21 @@
-"""SIGKILL at every file-system step of a save: ``latest`` always names a complete checkpoint.
+"""SIGKILL at file-system steps of a save: ``latest`` always names a complete checkpoint.
 
 A child process runs a real save and kills itself at one traced step; the parent then loads and
-checks it gets exactly the previous (or the new, once published) checkpoint's weights.
+checks it gets exactly the previous (or the new, once published) checkpoint's weights. A
+background save (checkpoint.async_save) is killed from its writer thread while the training
+thread goes on changing the weights: what it publishes must still be the state it was given.
 """
 
 import json
 import os
 import shutil
 import signal
+import threading
 
 import pytest
 
 from megatron import checkpointing
+from megatron.async_checkpoint import Checkpointer
 from megatron.checkpointing import (
     find_latest,
     load_checkpoint,
@@ -22,8 +26,11 @@ from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
 
 
-def _trace_save(save_dir, args, kill_at: int | None) -> list[str]:
-    """Save with every file-system step recorded; SIGKILL this process before step ``kill_at``."""
+def _trace_save(save_dir, args, kill_at: int | None, background: bool = False) -> list[str]:
+    """Save with every file-system step recorded; SIGKILL this process before step ``kill_at``.
+
+    ``background``: an async save, during which this thread takes one more training step.
+    """
     trace: list[str] = []
 
     def hook(owner, name):
@@ -41,8 +48,19 @@ def _trace_save(save_dir, args, kill_at: int | None) -> list[str]:
     for name in ("fsync", "rename", "replace", "remove"):
         hook(os, name)
     hook(shutil, "rmtree")
-    hook(checkpointing, "save_file")
-    save_checkpoint(save_dir, *args)
+    hook(checkpointing, "write_durable")
+    if not background:
+        save_checkpoint(save_dir, *args)
+        return trace
+    # The writer serialises only after the training step has changed the weights: what it
+    # writes must be the host copies taken at the save, not the live tensors.
+    stepped, serialize = threading.Event(), checkpointing.serialize
+    checkpointing.serialize = lambda *a, **k: stepped.wait() and serialize(*a, **k)
+    saves = Checkpointer(True, lambda _: None)
+    saves.save(save_dir, *args)
+    train(*args[1:4], 1, seed=9)
+    stepped.set()
+    saves.wait()
     return trace
 
 
@@ -57,24 +75,31 @@ def _in_child(fn) -> int:
     return os.waitpid(pid, 0)[1]
 
 
-def _kill_each_step(save_dir: str, args: tuple, expect, probe: tuple, st) -> list[str]:
+def _kill_each_step(
+    save_dir: str, args: tuple, expect, probe: tuple, st, points: int | None = None
+) -> list[str]:
     """Trace one save of ``args``; then, from the same starting directory, kill a save before each
     of its steps and check what ``latest`` names and what loads: ``expect(trace, kill_at)`` gives
-    (iteration, weights)."""
+    (iteration, weights). ``points``: a background save, killed before that many of its steps
+    spread evenly over it."""
     pristine, trace_file = f"{save_dir}.pristine", f"{save_dir}.trace.json"
     shutil.copytree(save_dir, pristine)
 
     def record():
         with open(trace_file, "w") as f:
-            json.dump(_trace_save(save_dir, args, None), f)
+            json.dump(_trace_save(save_dir, args, None, points is not None), f)
 
     assert _in_child(record) == 0
     with open(trace_file) as f:
         trace = json.load(f)
-    for kill_at in range(len(trace)):
+    steps = range(len(trace))
+    if points is not None:
+        steps = sorted({round(i * (len(trace) - 1) / (points - 1)) for i in range(points)})
+        assert len(steps) == points, trace
+    for kill_at in steps:
         shutil.rmtree(save_dir)
         shutil.copytree(pristine, save_dir)
-        status = _in_child(lambda k=kill_at: _trace_save(save_dir, args, k))
+        status = _in_child(lambda k=kill_at: _trace_save(save_dir, args, k, points is not None))
         where = f"killed before {trace[kill_at]}"
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, where
         iteration, weights = expect(trace, kill_at)
@@ -130,6 +155,35 @@ def test_sigkill_at_every_step_of_a_save_keeps_the_previous_checkpoint(tmp_path)
     cfg = tiny_config(tmp_path, "checkpoint.keep_last=1")
     traces, listing = run_distributed(_kill_during_save, 1, cfg, str(tmp_path))[0]
     kinds = [s.split()[0] for s in traces[0]]
-    assert kinds.count("save_file") == 2 and "rmtree" in kinds and len(kinds) >= 12
+    assert kinds.count("write_durable") == 2 and "rmtree" in kinds and len(kinds) >= 12
     assert any(s.startswith("rename iter_0000002 iter_0000002.old-") for s in traces[1])
     assert listing == ["iter_0000002", "latest"]
+
+
+def _kill_background_save(cfg, root):
+    st = initialize(1)
+    model, optimizer, schedule, tracker = build(cfg, st)
+    probe = build(cfg, st, seed=7)
+    save_dir = os.path.join(root, "ckpt")
+    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    train(model, optimizer, schedule, 1, seed=1)
+    before = snapshot(model)
+    save_checkpoint(save_dir, 1, *args)
+    train(model, optimizer, schedule, 1, seed=2)
+    saved = snapshot(model)
+
+    def over_1(trace, kill_at):
+        new = kill_at > _step(trace, "replace", " latest")
+        return (2, saved) if new else (1, before)
+
+    return _kill_each_step(save_dir, (2, *args), over_1, probe, st, points=10)
+
+
+@pytest.mark.slow
+def test_sigkill_at_10_points_of_a_background_save_keeps_the_previous_checkpoint(tmp_path):
+    """checkpoint.async_save: the writer thread is killed before 10 of its steps, spread from the
+    first write to the deletion keep_last makes, while the training thread steps on. Each time
+    ``latest`` names a checkpoint that loads, with exactly the weights it was saved with."""
+    cfg = tiny_config(tmp_path, "checkpoint.keep_last=1", "checkpoint.async_save=true")
+    trace = run_distributed(_kill_background_save, 1, cfg, str(tmp_path))[0]
+    assert trace[0].startswith("write_durable") and trace[-1].startswith("rmtree")

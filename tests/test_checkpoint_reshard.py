@@ -1,5 +1,6 @@
-"""Loading at another TP/DP size: saved at TP=2 x DP=2 and read at TP=1 and TP=2 x DP=1, saved at
-TP=1 and read at TP=2 (fp32, and bf16 with fp32 main params).
+"""Loading at another TP/DP size: saved at TP=2 x DP=2 (its two shards written by two DP ranks)
+and read at TP=1 and TP=2 x DP=1, saved at TP=1 and read at TP=2 (fp32, and bf16 with fp32 main
+params).
 
 Resharding only concatenates and slices, so weights and optimizer state (gathered over TP,
 vocabulary padding dropped) must equal the saving run's bit for bit, and the padding rows must
@@ -12,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_reshard import merge_shards, take_shard
+from megatron.checkpoint_reshard import merge_shards, read_meta, take_shard
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
@@ -87,6 +88,11 @@ def test_tp2_dp2_loads_at_tp1_and_at_tp2_dp1(tmp_path):
     assert (
         files == ["meta.json", "model_optim_tp00.safetensors", "model_optim_tp01.safetensors"] + rng
     )
+    # The writes spread over DP: TP shard t comes from DP rank t % 2 (global rank dp * 2 + tp).
+    writers = read_meta(os.path.join(save_dir, "iter_0000002"))["writers"]
+    shards = {"model_optim_tp00.safetensors": 0, "model_optim_tp01.safetensors": 3}
+    assert writers == {**shards, **{name: r for r, name in enumerate(rng)}}
+    assert {writers[name] // 2 for name in shards} == {0, 1}  # two DP ranks, i.e. two nodes
     for tp in (1, 2):
         results = run_distributed(_load, tp, [cfg], [save_dir], tp)
         for loaded, _ in results:

@@ -81,7 +81,12 @@ def test_merge_and_reshard_round_trip_exactly(tp2, tmp_path, capsys):
     capsys.readouterr()
     assert main(["--input", str(src), "--summary", "--tensors"]) == 0
     out = capsys.readouterr().out
-    for text in ("iteration   2", "TP=2 x DP=1", "vocab       100 (padded 256)", "checksums   ok"):
+    for text in (
+        "iteration   2",
+        "TP=2 x PP=1 x DP=1",
+        "vocab       100 (padded 256)",
+        "checksums   ok",
+    ):
         assert text in out
     assert "model/embedding.word.weight" in out and "[256, 32]" in out
 

@@ -25,8 +25,8 @@ from megatron.config import Config, padded_vocab_size
 from megatron.config_load import load_config
 from megatron.errors import ConfigError
 from megatron.models.gpt import GPTModel
+from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import build_optimizer
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed

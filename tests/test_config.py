@@ -72,8 +72,8 @@ def test_design_keys_exist():
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_shipped_config_loads_and_validates(path):
     cfg = load_config([path])
-    tp = cfg.parallel.tensor_parallel_size
-    for world in (tp, 2 * tp, 4 * tp):
+    replica = cfg.parallel.tensor_parallel_size * cfg.parallel.pipeline_parallel_size
+    for world in (replica, 2 * replica, 4 * replica):
         validate(cfg, world, check_files=False)
     assert load_config([path]) == cfg
 
@@ -107,6 +107,9 @@ def test_padded_vocab():
 def test_derived_values():
     d = tiny("training.global_batch_size=32", "training.micro_batch_size=2").derived(8)
     assert (d.tp_size, d.dp_size, d.num_micro_batches, d.head_dim) == (2, 4, 4, 64)
+    # The grid is [dp, pp, tp]: DP = world / (tp * pp), and each pipeline runs gbs / (mbs * dp).
+    d = tiny("training.global_batch_size=32", "parallel.pipeline_parallel_size=2").derived(8)
+    assert (d.tp_size, d.pp_size, d.dp_size, d.num_micro_batches) == (2, 2, 2, 4)
 
 
 def test_layering_later_file_and_overrides_win(tmp_path):
@@ -198,6 +201,45 @@ def test_required_key_and_invalid_yaml(tmp_path):
             "parallel.tensor_parallel_size=2 does not divide the world size 3; use 1 or 3 or "
             "launch a multiple of 2",
         ),
+        (
+            ["parallel.pipeline_parallel_size=4"],
+            4,
+            "parallel.tensor_parallel_size=2 x parallel.pipeline_parallel_size=4 = 8 does not "
+            "divide the world size 4; launch a multiple of 8 GPUs or use a pipeline size of 1 or 2",
+        ),
+        (
+            ["parallel.pipeline_parallel_size=2", "model.num_layers=3"],
+            4,
+            "model.num_layers=3 does not divide into parallel.pipeline_parallel_size=2 stages; "
+            "use num_layers=2 or 4 or a pipeline size of 1 or 3",
+        ),
+        (
+            ["parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_size=4"],
+            4,
+            "model.num_layers=4 does not divide into parallel.pipeline_parallel_size=2 x "
+            "parallel.virtual_pipeline_size=4 = 8 chunks; use num_layers=8 or a "
+            "virtual_pipeline_size of 1 or 2",
+        ),
+        (
+            ["parallel.virtual_pipeline_size=2"],
+            2,
+            "parallel.virtual_pipeline_size=2 interleaves chunks across pipeline stages and needs "
+            "parallel.pipeline_parallel_size >= 2; set it to null or add stages",
+        ),
+        (
+            [
+                "parallel.pipeline_parallel_size=4",
+                "parallel.virtual_pipeline_size=2",
+                "model.num_layers=8",
+                "training.global_batch_size=12",
+                "training.micro_batch_size=2",
+            ],
+            8,
+            "parallel.virtual_pipeline_size=2 needs the micro-batches per step, training."
+            "global_batch_size / (micro_batch_size * DP) = 12 / (2 * 1) = 6, to be a multiple of "
+            "parallel.pipeline_parallel_size=4; use a global_batch_size of 8 or 16",
+        ),
+        (["parallel.pipeline_parallel_size=0"], 2, "parallel.pipeline_parallel_size=0 must be"),
         (
             ["model.hidden_size=250"],
             2,

@@ -1,6 +1,7 @@
 """DataParallel: DP=2 averaged gradients equal the serial gradients of the whole batch, micro-batch
 accumulation equals one big batch, and collectives run only on the last micro-batch, one per
-bucket, launched during backward (counted by wrapping dist.all_reduce in the child)."""
+bucket, launched during backward (counted by wrapping dist.all_reduce in the child); with
+``shard_optimizer`` a reduce-scatter per padded bucket and the parameters' all-gather."""
 
 from __future__ import annotations
 
@@ -144,6 +145,53 @@ def _dp_child() -> dict:
         "steps": steps,
         "expected": expected,
         "buckets": [len(b.params) for b in ddp.buckets],
+        "sharded": _sharded(state, ids, targets, expected),
+    }
+
+
+def _sharded(state: ParallelState, ids, targets, expected) -> dict:
+    """The same step with ``shard_optimizer``: one reduce-scatter per bucket, no all-reduce, the
+    DP mean in this rank's slices; then the parameters' all-gather from their owners."""
+    calls = []
+    real = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    torch.manual_seed(0)
+    model = TiedNet()
+    ddp = DataParallel(model, state, BUCKET_MB, shard_optimizer=True)
+    mine = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
+    accumulate(ddp, ids[mine], targets[mine], micro=2)
+    ddp.finish_grad_sync()
+    counts = len(calls)
+    assert all(group is state.dp_group for group in calls)
+    # The serial gradient laid out in buffer order; compare this rank's slice of every bucket.
+    serial = torch.zeros_like(ddp.buffer)
+    for name, p in model.named_parameters():
+        offset = ddp.offsets[id(p)]
+        if name in expected:
+            serial[offset : offset + p.numel()] = expected[name].flatten()
+    owned = [(b.start + b.shard.start, b.start + b.shard.stop) for b in ddp.buckets]
+    for lo, hi in owned:
+        torch.testing.assert_close(ddp.buffer[lo:hi], serial[lo:hi], rtol=1e-6, atol=1e-7)
+    views = all(
+        p.data_ptr() == ddp.param_buffer[ddp.offsets[id(p)] :].data_ptr()
+        for p in model.parameters()
+    )
+    with torch.no_grad():  # as the optimizer does: write only the owned slices, then gather
+        for lo, hi in owned:
+            ddp.param_buffer[lo:hi] = state.dp_rank + 1.0
+        ddp.gather_params()
+    return {
+        "counts": counts,
+        "sizes": [b.flat.numel() for b in ddp.buckets],
+        "numels": [b.numel for b in ddp.buckets],
+        "views": views,
+        "params": ddp.param_buffer.clone(),
+        "owned": owned,
     }
 
 
@@ -151,7 +199,8 @@ def _dp_child() -> dict:
 def test_dp2_equals_serial_and_communicates_once_per_bucket():
     """Each of 2 ranks runs 2 micro-batches of 2 samples; the DP mean of the accumulated
     gradients equals the serial gradient of all 8 samples (1e-6: summation order)."""
-    for r in run_distributed(_dp_child, 2):
+    results = run_distributed(_dp_child, 2)
+    for r in results:
         buckets = r["buckets"]
         assert len(buckets) == 3 and max(buckets) > 1 and buckets[-1] == 1
         (first, counts), (second, counts2) = r["steps"]
@@ -164,3 +213,13 @@ def test_dp2_equals_serial_and_communicates_once_per_bucket():
                 assert not grad.any()
             else:
                 torch.testing.assert_close(grad, r["expected"][name], rtol=1e-6, atol=1e-7)
+    # With shard_optimizer: buckets padded to a multiple of DP (the unused 3-vector to 4), one
+    # reduce-scatter each, and after the gather every rank holds every owner's values.
+    ranks = [r["sharded"] for r in results]
+    for r in ranks:
+        assert r["counts"] == len(r["sizes"]) and r["views"]
+        assert [-(-n // 2) * 2 for n in r["numels"]] == r["sizes"] and r["numels"][-1] == 3
+        assert torch.equal(r["params"], ranks[0]["params"])
+    for dp_rank, r in enumerate(ranks):
+        for lo, hi in r["owned"]:
+            assert (ranks[0]["params"][lo:hi] == dp_rank + 1.0).all()

@@ -4,10 +4,11 @@ Parameter counts must equal ``sum(p.numel())`` of GPTModel exactly, at TP=1 and 
 real processes: each rank holds split/tp + replicated; the split parts summed over ranks plus
 the replicated ones once give the total). One layer's activation bytes must equal what autograd
 actually saves (measured with saved-tensor hooks on CPU in fp32 without dropout, where PyTorch's
-CPU attention is the fused kind too, so the formula is exact), and the whole model's must match
-up to a few index tensors. The Table 1 configurations of
-the Megatron-LM paper must fit a 32 GB V100 at their TP size with recomputation; 8.3B must not
-fit on one GPU.
+CPU attention is the fused kind too, so the formula is exact), with and without sequence
+parallelism at TP=2, and the whole model's must match up to a few index tensors. The Table 1
+configurations of the Megatron-LM paper must fit a 32 GB V100 at their TP size with
+recomputation; 8.3B must not fit on one GPU. (What the distributed optimizer and sequence
+parallelism buy: tests/test_memory_metrics.py.)
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
 
 
 def _measure(tp: int, cases: list) -> list[dict]:
-    """Per case on this rank: parameters (split, replicated) and one layer's saved bytes."""
+    """Per case on this rank: parameters (split, replicated) and one layer's saved bytes, and
+    at TP > 1 the same bytes with sequence parallelism (``sp_`` keys)."""
     from megatron.models.gpt import GPTModel
     from megatron.parallel.random import RNGTracker
     from megatron.parallel.state import initialize
@@ -75,13 +77,14 @@ def _measure(tp: int, cases: list) -> list[dict]:
     for overrides, vocab in cases:
         padded = padded_vocab_size(vocab, 128, tp)
         saved = {}
-        for layers in (1, 2):
-            cfg = tiny_model_config(**{**overrides, "num_layers": layers})
-            tracker = RNGTracker(st.device)
-            tracker.seed(1, st.tp_rank)
-            model = GPTModel(cfg, vocab, padded, st, tracker).train()
-            tokens = torch.randint(0, vocab, (2, cfg.seq_length))
-            saved[layers] = _saved_bytes(model, tokens)
+        for sp in (False, True) if tp > 1 else (False,):
+            for layers in (1, 2):
+                cfg = tiny_model_config(**{**overrides, "num_layers": layers})
+                tracker = RNGTracker(st.device)
+                tracker.seed(1, st.tp_rank)
+                model = GPTModel(cfg, vocab, padded, st, tracker, sequence_parallel=sp).train()
+                tokens = torch.randint(0, vocab, (2, cfg.seq_length))
+                saved[sp, layers] = _saved_bytes(model, tokens)
         cfg = tiny_model_config(**overrides)
         tracker = RNGTracker(st.device)
         tracker.seed(1, st.tp_rank)
@@ -90,8 +93,16 @@ def _measure(tp: int, cases: list) -> list[dict]:
             {
                 "split": sum(p.numel() for p in params if hasattr(p, "tp_split_dim")),
                 "replicated": sum(p.numel() for p in params if not hasattr(p, "tp_split_dim")),
-                "layer_bytes": saved[2] - saved[1],
-                "model_bytes": saved[2],
+                "layer_bytes": saved[False, 2] - saved[False, 1],
+                "model_bytes": saved[False, 2],
+                **(
+                    {
+                        "sp_layer_bytes": saved[True, 2] - saved[True, 1],
+                        "sp_model_bytes": saved[True, 2],
+                    }
+                    if tp > 1
+                    else {}
+                ),
             }
         )
     return out
@@ -103,7 +114,9 @@ def _expected(tp: int, overrides: dict, vocab: int):
     return cfg, params
 
 
-def _check_model_bytes(measured: int, overrides: dict, vocab: int, tp: int) -> None:
+def _check_model_bytes(
+    measured: int, overrides: dict, vocab: int, tp: int, sequence_parallel: bool = False
+) -> None:
     """Whole model, 2 layers: the estimate's activations plus the loss's saved fp32 exponentials
     (4*b*s*V/t), up to the int64/bool index tensors the embedding and the loss keep (< 32*b*s)."""
     model = tiny_model_config(**{**overrides, "num_layers": 2})
@@ -111,7 +124,9 @@ def _check_model_bytes(measured: int, overrides: dict, vocab: int, tp: int) -> N
     cfg = dataclasses.replace(
         cfg,
         model=model,
-        parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=tp),
+        parallel=dataclasses.replace(
+            cfg.parallel, tensor_parallel_size=tp, sequence_parallel=sequence_parallel
+        ),
         training=dataclasses.replace(cfg.training, micro_batch_size=2),
     )
     padded = padded_vocab_size(vocab, 128, tp)
@@ -138,8 +153,11 @@ def test_counts_and_layer_bytes_match_the_model_at_tp2():
         assert all(r["split"] + r["replicated"] == params.per_gpu for r in per_rank), overrides
         assert sum(r["split"] for r in per_rank) + per_rank[0]["replicated"] == params.total
         assert all(r["layer_bytes"] == layer_activation_bytes(cfg, 2, 2, 4) for r in per_rank)
+        sp_layer = layer_activation_bytes(cfg, 2, 2, 4, sequence_parallel=True)
+        assert all(r["sp_layer_bytes"] == sp_layer for r in per_rank), overrides
         for r in per_rank:
             _check_model_bytes(r["model_bytes"], overrides, vocab, 2)
+            _check_model_bytes(r["sp_model_bytes"], overrides, vocab, 2, sequence_parallel=True)
 
 
 def test_published_counts():

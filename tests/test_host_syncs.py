@@ -1,4 +1,5 @@
-"""One host sync per training iteration, for GPT and BERT, in fp32 and fp16, and on two ranks.
+"""One host sync per training iteration, for GPT and BERT, in fp32 and fp16, and on two ranks
+(with and without the distributed optimizer).
 
 ``torch.cuda.set_sync_debug_mode`` has no CPU twin, so the training process counts the calls that
 make a host wait for a device: ``Tensor.item``, ``Tensor.tolist``, ``nonzero`` (method and
@@ -69,8 +70,11 @@ class SyncCounter:
             yield batch
 
 
-def _syncs_per_iteration(model: str, overrides: list[str]) -> list[int]:
-    """pretrain_<model>'s ``main`` on this (spawned) rank, counting; each iteration's syncs."""
+def _syncs_per_iteration(
+    model: str, overrides: list[str], optimizer: str = "MixedPrecisionOptimizer"
+) -> list[int]:
+    """pretrain_<model>'s ``main`` on this (spawned) rank, counting; each iteration's syncs.
+    ``optimizer``: the class the run must be using."""
     import importlib
 
     from megatron import train_loop, training
@@ -81,6 +85,7 @@ def _syncs_per_iteration(model: str, overrides: list[str]) -> list[int]:
     train_step, run = train_loop.TrainLoop.train_step, train_loop.TrainLoop.run
 
     def marked_step(self: Any, data: Iterator, policy: Any) -> Any:
+        assert type(self.optimizer).__name__ == optimizer
         marks.append(counter.count)
         counter.on = True
         return train_step(self, data, policy)
@@ -118,13 +123,20 @@ def test_one_host_sync_per_iteration(model, dtype, gpt_data, bert_data, tmp_path
     assert run_distributed(_syncs_per_iteration, 1, model, overrides) == [[1] * ITERS]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_two_ranks_add_no_sync(tp, gpt_data, tmp_path):
-    """DP=2 (the gradient, metric and exit-flag all-reduces) or TP=2 (the layers' and the norm's
-    all-reduces): collectives, none of which makes the host wait."""
-    keys = {**QUIET, "parallel.tensor_parallel_size": tp}
+@pytest.mark.parametrize("tp, sharded", [(1, False), (2, False), (1, True)])
+def test_two_ranks_add_no_sync(tp, sharded, gpt_data, tmp_path):
+    """DP=2 (the gradient, metric and exit-flag all-reduces), TP=2 (the layers' and the norm's
+    all-reduces) or DP=2 with the distributed optimizer (the gradients' reduce-scatter, the
+    parameters' all-gather): collectives, none of which makes the host wait."""
+    keys = {
+        **QUIET,
+        "parallel.tensor_parallel_size": tp,
+        "parallel.distributed_optimizer": str(sharded).lower(),
+    }
     overrides = tiny_overrides(gpt_data, tmp_path, **keys)
-    assert run_distributed(_syncs_per_iteration, 2, "gpt", overrides) == [[1] * ITERS] * 2
+    optimizer = "DistributedOptimizer" if sharded else "MixedPrecisionOptimizer"
+    counts = run_distributed(_syncs_per_iteration, 2, "gpt", overrides, optimizer)
+    assert counts == [[1] * ITERS] * 2
 
 
 def test_counter_sees_every_kind_of_sync():

@@ -26,7 +26,7 @@ from torch import nn
 from megatron.config import OptimizerConfig, PrecisionConfig
 from megatron.models.gpt import GPTModel
 from megatron.models.transformer import TransformerLayer
-from megatron.optim.optimizer import build_optimizer
+from megatron.optim.build import build_optimizer
 from megatron.parallel.data_parallel import DataParallel, mean_op
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megatron.parallel.random import RNGTracker

@@ -14,8 +14,9 @@ from torch import nn
 
 from megatron.config import OptimizerConfig, PrecisionConfig
 from megatron.errors import ConfigError
+from megatron.optim.build import build_optimizer
 from megatron.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.optim.optimizer import MixedPrecisionOptimizer, build_optimizer
+from megatron.optim.optimizer import MixedPrecisionOptimizer
 from megatron.parallel.state import ParallelState
 from tests.distributed import run_distributed
 
@@ -184,6 +185,32 @@ def test_state_dict_round_trip(dtype):
         o.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_state_dict_step_is_a_host_count(monkeypatch):
+    """The step count comes from the host (no device read per parameter); a skipped step does
+    not count; the count survives load_state_dict."""
+    model, opt = make(scaler=DynamicGradScaler(initial_scale=4.0, hysteresis=1))
+    for step in range(3):
+        opt.scale_loss(loss_of(model, step)).backward()
+        if step == 1:
+            model.fc.weight.grad[0, 0] = float("inf")
+        opt.step()
+
+    def device_read(*args):
+        raise AssertionError("state_dict read a device value")
+
+    with monkeypatch.context() as patch:
+        for name in ("__int__", "__float__", "item", "tolist"):
+            patch.setattr(torch.Tensor, name, device_read)
+        state = copy.deepcopy(opt.state_dict())
+    assert {entry["step"] for entry in state["params"].values()} == {2}
+    twin_model, twin = make()
+    twin_model.load_state_dict(model.state_dict())
+    twin.load_state_dict(state)
+    loss_of(twin_model, 3).backward()
+    twin.step()
+    assert {entry["step"] for entry in twin.state_dict()["params"].values()} == {3}
 
 
 def test_state_dict_mismatch_is_a_config_error():

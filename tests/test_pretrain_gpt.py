@@ -28,9 +28,13 @@ def test_layouts_give_the_same_losses(gpt_data, tmp_path):
     serial = train(gpt_data, tmp_path, "tp1dp1", 1, **{"parallel.tensor_parallel_size": 1})
     assert [e["iteration"] for e in serial] == list(range(1, 21))
     assert serial[-1]["lm_loss"] < serial[0]["lm_loss"]
-    layouts = {"tp2dp1": (2, 2), "tp1dp2": (2, 1), "tp2dp2": (4, 2)}
-    for name, (nproc, tp) in layouts.items():
-        run = train(gpt_data, tmp_path, name, nproc, **{"parallel.tensor_parallel_size": tp})
+    # The last: sequence parallelism and the distributed optimizer together (issue 13).
+    both = {"parallel.sequence_parallel": True, "parallel.distributed_optimizer": True}
+    layouts = {"tp2dp1": (2, 2, {}), "tp1dp2": (2, 1, {}), "tp2dp2": (4, 2, {})}
+    layouts["tp2dp2_sp_zero1"] = (4, 2, both)
+    for name, (nproc, tp, extra) in layouts.items():
+        overrides = {"parallel.tensor_parallel_size": tp, **extra}
+        run = train(gpt_data, tmp_path, name, nproc, **overrides)
         for a, b in zip(run, serial, strict=True):
             assert rel(a["lm_loss"], b["lm_loss"]) <= 1e-5, (name, a["iteration"])
             # The TP-aware clipping norm equals the serial model's gradient norm.

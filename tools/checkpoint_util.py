@@ -10,11 +10,21 @@
 each kind of sublayer over all layers, each kind of optimizer state); ``--tensors`` lists every
 tensor instead. ``--output`` becomes a save directory holding one complete checkpoint (meta.json
 with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size; ``--merge``
-is ``--target-tp 1``: a single tensor file. Model weights and optimizer state are converted
-exactly; RNG states belong to the old world, so a run resuming from the output reseeds them from
-(seed, iteration), with a warning. ``--weights-only`` drops the optimizer state (meta.json says
-``weights_only``): the output is a starting point for ``checkpoint.finetune=true`` and for
-inference and export (tools/generate.py, tools/export_hf.py), and a full resume refuses it.
+is ``--target-tp 1``: a single tensor file. A checkpoint of several pipeline stages (one file
+per (TP, PP) rank) is always merged across them: the output is at PP = 1, each tensor read from
+the stage that saved it, as training's load reads it (megatron.checkpoint_stages; the tied word
+table from the first stage); training loads either at any PP size. Model weights and optimizer
+state are converted exactly; RNG states belong to the old world, so a run resuming from the
+output reseeds them from (seed, iteration), with a warning. ``--weights-only`` drops the
+optimizer state (meta.json says ``weights_only``): the output is a starting point for
+``checkpoint.finetune=true`` and for inference and export (tools/generate.py,
+tools/export_hf.py), and a full resume refuses it.
+
+A checkpoint of the distributed optimizer (``parallel.distributed_optimizer``: one optimizer
+shard file per TP, PP and DP rank) is read through the same path as training's load: each TP rank's
+state is rebuilt from its DP shards. The output is a plain checkpoint (the optimizer state in the
+TP files, meta.json without ``distributed_optimizer``), which loads with the distributed optimizer
+or without it, at any DP size.
 """
 
 from __future__ import annotations
@@ -31,14 +41,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.checkpoint_optim_shards import all_optim_layout  # noqa: E402
 from megatron.checkpoint_reshard import (  # noqa: E402
     META,
-    ShardedTensors,
     checkpoint_name,
+    pp_size_of,
     read_meta,
     shard_file,
     verify_checkpoint,
 )
+from megatron.checkpoint_stages import open_checkpoint  # noqa: E402
 from megatron.checkpointing import find_latest, publish, write_tensors  # noqa: E402
 from megatron.config import padded_vocab_size  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
@@ -49,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="a save directory or one iter_* directory")
     p.add_argument("--iteration", type=int, help="with a save directory: this checkpoint")
-    p.add_argument("--output", help="save directory for the converted checkpoint")
+    p.add_argument(
+        "--output",
+        help="save directory for the converted checkpoint (a plain one, also from a checkpoint "
+        "of the distributed optimizer)",
+    )
     action = p.add_mutually_exclusive_group()
     action.add_argument("--target-tp", type=int, help="reshard to this tensor-parallel size")
     action.add_argument("--merge", action="store_true", help="one unsharded file (TP=1)")
@@ -126,13 +142,21 @@ def summary(ckpt: str, tensors: bool = False) -> str:
     meta = read_meta(ckpt)
     files = sorted(meta["files"])
     size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files if not problem)
-    layout = meta["tensors"]
+    sharded = meta.get("distributed_optimizer")
+    layout = {**meta["tensors"], **(all_optim_layout(meta) if sharded else {})}
+    pp = pp_size_of(meta)
+    where = (
+        f"in {meta['tp_size'] * pp * meta['dp_size']} shard files (distributed optimizer)"
+        if sharded
+        else "in the TP files"
+    )
     model = {k: v for k, v in layout.items() if k.startswith("model/")}
     lines = [
         f"checkpoint  {ckpt}",
         f"iteration   {meta['iteration']}  (format {meta['format_version']}, "
         f"torch {meta['torch_version']})",
-        f"parallel    TP={meta['tp_size']} x DP={meta['dp_size']} (world {meta['world_size']}, "
+        f"parallel    TP={meta['tp_size']} x PP={pp} x DP={meta['dp_size']} "
+        f"(world {meta['world_size']}, "
         f"{meta['device_type']}); RNG states: {'yes' if meta['rng'] else 'no'}",
         f"vocab       {meta['vocab_size']} (padded {meta['padded_vocab_size']})",
         f"progress    {json.dumps(meta['progress'])}",
@@ -141,7 +165,7 @@ def summary(ckpt: str, tensors: bool = False) -> str:
         f"parameters  {sum(_numel(v) for v in model.values())} (vocab padding included) in "
         f"{len(model)} model tensors; "
         f"{len(layout) - len(model)} optimizer tensors"
-        + (" (weights only)" if meta.get("weights_only") else ""),
+        + (" (weights only)" if meta.get("weights_only") else f" {where}"),
     ]
     if not tensors:
         return "\n".join(lines + _group_lines(layout))
@@ -156,7 +180,8 @@ def summary(ckpt: str, tensors: bool = False) -> str:
 
 
 def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str:
-    """Write checkpoint ``src`` at TP=``tp_size`` into the save directory ``out``; its path.
+    """Write checkpoint ``src`` at TP=``tp_size`` (and PP = 1) into the save directory ``out``;
+    its path.
 
     ``weights_only``: without the optimizer state, and marked so in meta.json.
     """
@@ -170,7 +195,8 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
             f"--target-tp {tp_size} does not divide model.num_attention_heads={heads}; "
             "use a divisor of it"
         )
-    layout = meta["tensors"]
+    source = open_checkpoint(src, meta, not weights_only)
+    layout = source.layout
     if weights_only:
         layout = {k: v for k, v in layout.items() if k.startswith("model/")}
     for key, info in layout.items():
@@ -181,11 +207,6 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
         raise ConfigError(f"--output {out} holds the input; choose another directory")
     divisible_by = meta["config"]["model"]["make_vocab_size_divisible_by"]
     padded = padded_vocab_size(meta["vocab_size"], divisible_by, tp_size)
-    source = ShardedTensors(
-        [os.path.join(src, shard_file(t)) for t in range(meta["tp_size"])],
-        layout,
-        meta["vocab_size"],
-    )
     tmp = os.path.join(out, f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}")
     os.makedirs(tmp)
     files = {}
@@ -198,17 +219,25 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
             info["shape"][0] = padded
     config = copy.deepcopy(meta["config"])
     config["parallel"]["tensor_parallel_size"] = tp_size
+    config["parallel"].update(pipeline_parallel_size=1, virtual_pipeline_size=None)
     converted = {
         **meta,
         "tp_size": tp_size,
+        "pp_size": 1,
         "dp_size": 1,
         "world_size": tp_size,
+        "distributed_optimizer": None,
         "padded_vocab_size": padded if meta["padded_vocab_size"] is not None else None,
         "rng": False,
         "tensors": new_layout,
+        "stages": [list(new_layout)],
         "files": files,
         "config": config,
-        "converted_from": {"path": os.path.abspath(src), "tp_size": meta["tp_size"]},
+        "converted_from": {
+            "path": os.path.abspath(src),
+            "tp_size": meta["tp_size"],
+            "pp_size": pp_size_of(meta),
+        },
     }
     if weights_only:
         converted.update(lr_schedule=None, grad_scaler=None, weights_only=True)
@@ -233,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None:
             path = reshard(src, args.output, target, args.weights_only)
             use = " checkpoint.finetune=true" if args.weights_only else ""
-            print(f"wrote {path} (TP={target}); use it as checkpoint.load={args.output}{use}")
+            print(f"wrote {path} (TP={target}, PP=1); use it as checkpoint.load={args.output}{use}")
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1

@@ -45,6 +45,17 @@ def _write_atomic(path: str, write: Callable[[BinaryIO], None]) -> None:
     write_atomic(path, to_file)
 
 
+def _entry_base(cache_dir: str, kind: str, key: dict) -> str:
+    """The path, without suffix, of the entry for ``key``: ``{cache_dir}/{kind}-{digest}``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(cache_dir, f"{kind}-{digest}")
+
+
+def is_cached(cache_dir: str | None, kind: str, key: dict) -> bool:
+    """Whether a complete entry for ``key`` exists (its JSON description, written last)."""
+    return cache_dir is not None and os.path.isfile(_entry_base(cache_dir, kind, key) + ".json")
+
+
 def cached_indices(
     cache_dir: str | None,
     kind: str,
@@ -61,8 +72,7 @@ def cached_indices(
     """
     if cache_dir is None:
         return build()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    base = os.path.join(cache_dir, f"{kind}-{digest}")
+    base = _entry_base(cache_dir, kind, key)
     paths = {name: f"{base}-{name}.npy" for name in names}
     description = base + ".json"
     if _is_builder() and not os.path.isfile(description):

@@ -91,12 +91,20 @@ def build_model(
     tracker: RNGTracker,
 ) -> nn.Module:
     """The GPT or BERT model ``cfg`` describes, as the entrypoints build it."""
+    sequence_parallel = cfg.parallel.sequence_parallel
     if kind == "bert":
         b = cfg.bert
         return BertModel(
-            cfg.model, vocab_size, padded, state, tracker, b.num_tokentypes, b.binary_head
+            cfg.model,
+            vocab_size,
+            padded,
+            state,
+            tracker,
+            b.num_tokentypes,
+            b.binary_head,
+            sequence_parallel,
         )
-    return GPTModel(cfg.model, vocab_size, padded, state, tracker)
+    return GPTModel(cfg.model, vocab_size, padded, state, tracker, sequence_parallel)
 
 
 @dataclass
@@ -142,7 +150,8 @@ def load_for_inference(
     if tp < 1 or world % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the world size {world}")
     path, meta = newest_checkpoint(load_dir)
-    extra = [f"parallel.tensor_parallel_size={tp}"]
+    # Decoding with a KV cache runs one token at a time: no sequence to split over TP.
+    extra = [f"parallel.tensor_parallel_size={tp}", "parallel.sequence_parallel=false"]
     if dtype is not None:
         extra.append(f"precision.dtype={dtype}")
     cfg = config_from_dict(meta["config"], os.path.join(path, "meta.json"), overrides + extra)

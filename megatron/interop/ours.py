@@ -17,13 +17,13 @@ from torch import Tensor, nn
 from megatron.checkpoint_reshard import (
     FORMAT_VERSION,
     META,
-    ShardedTensors,
     checkpoint_name,
     shard_file,
     take_shard,
     tensor_layout,
     vocab_params,
 )
+from megatron.checkpoint_stages import open_checkpoint
 from megatron.checkpointing import publish, write_tensors
 from megatron.config import Config, padded_vocab_size, to_dict
 from megatron.config_load import config_from_dict
@@ -48,10 +48,10 @@ def serial_model(kind: str, cfg: Config, vocab_size: int, device: str = "cpu") -
 def read_full(
     ckpt_dir: str, meta: dict[str, Any], padded_rows: int | None = None
 ) -> dict[str, Tensor]:
-    """The checkpoint's model tensors merged over its TP ranks, under state-dict keys (CPU,
-    saved dtype); vocabulary tables hold ``padded_rows`` rows (default: the real vocabulary)."""
-    files = [os.path.join(ckpt_dir, shard_file(t)) for t in range(meta["tp_size"])]
-    source = ShardedTensors(files, meta["tensors"], meta["vocab_size"])
+    """The checkpoint's model tensors merged over its TP ranks and pipeline stages, under
+    state-dict keys (CPU, saved dtype); vocabulary tables hold ``padded_rows`` rows (default: the
+    real vocabulary)."""
+    source = open_checkpoint(ckpt_dir, meta, False)
     rows = meta["vocab_size"] if padded_rows is None else padded_rows
     return {
         key.removeprefix("model/"): source.read(key, 1, 0, rows)

@@ -11,6 +11,14 @@ also normalises the embedding sum (pre-LN normalises it in the first layer inste
 head's last matmul reuses the vocab-split word table, so its logits and its output bias are split
 by vocabulary like the embedding; the pooler, the head's dense and LayerNorm and the binary head
 are small and replicated, and see replicated activations, so every TP rank computes them alike.
+
+With ``sequence_parallel`` the embedding output and the transformer's activations are split along
+the sequence over TP; the transformer's output is gathered before the heads, which see it
+replicated as before (post-LN's embedding LayerNorm then sees split activations and is flagged).
+
+In a pipeline each stage is a BertModel holding its layers (by global name); the embeddings (and
+post-LN's embedding LayerNorm) are the first stage's, the heads the last's, with a copy of the
+word table for the tied MLM head (``embedding.stage_embedding``).
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.models.embedding import Embedding
-from megatron.models.transformer import TransformerStack, gelu
+from megatron.models.embedding import Embedding, stage_embedding
+from megatron.models.transformer import TransformerStack, gelu, layer_norm
+from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.layers import InitMethod, normal_init
-from megatron.parallel.mappings import copy_to_tp
+from megatron.parallel.mappings import copy_to_tp, gather_seq
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
@@ -85,6 +94,8 @@ class BertModel(nn.Module):
         tracker: RNGTracker,
         num_tokentypes: int = 2,
         binary_head: str = "sop",
+        sequence_parallel: bool = False,
+        chunks: int = 1,
     ):
         super().__init__()
         if binary_head not in BINARY_HEADS:
@@ -93,18 +104,30 @@ class BertModel(nn.Module):
         self.vocab_size, self.tp_group = vocab_size, state.tp_group
         self.binary_task = binary_head
         self.dropout = cfg.hidden_dropout
+        self.seq_group = sp.sequence_group(state, sequence_parallel)
+        self.pre_process, self.post_process = state.is_first_stage, state.is_last_stage
+        self.num_chunks = chunks
+        # Called whole (no pipeline, or one chunk on the last stage) the model returns the loss.
+        self.computes_loss = self.post_process and chunks == 1
         self.embedding_ln = None
         embedding_cfg = cfg
         if cfg.layernorm_position == "post":
             # Original BERT drops out the *normalised* embedding sum: the dropout moves here.
             embedding_cfg = dataclasses.replace(cfg, hidden_dropout=0.0)
-            self.embedding_ln = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=device)
-        self.embedding = Embedding(
-            embedding_cfg, vocab_size, padded_vocab_size, state, num_tokentypes
+            if self.pre_process:
+                self.embedding_ln = layer_norm(cfg, state, sequence_parallel)
+        # Built on every stage, so that the generator draws what the whole model draws first.
+        embedding = Embedding(
+            embedding_cfg, vocab_size, padded_vocab_size, state, num_tokentypes, sequence_parallel
         )
-        self.transformer = TransformerStack(cfg, state, tracker)
+        self.embedding = stage_embedding(embedding, state)
+        self.transformer = TransformerStack(
+            cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
+        )
+        self.lm_head = self.pooler = self.binary_head = None
+        if not self.post_process:
+            return  # the heads are the last stage's, drawn after every layer
         self.lm_head = BertLMHead(cfg, padded_vocab_size, state)
-        self.pooler = self.binary_head = None
         if binary_head != "none":
             init = normal_init(cfg.init_method_std)
             self.pooler = _linear(h, h, init, device)
@@ -117,6 +140,8 @@ class BertModel(nn.Module):
         padding_mask: Tensor,
         labels: Tensor | None = None,
         masked_positions: Tensor | None = None,
+        hidden: Tensor | None = None,
+        chunk: int = 0,
     ) -> tuple[Tensor, Tensor | None]:
         """``tokens``, ``types``, ``padding_mask`` (1 on real tokens), ``labels``: [b, s];
         ``masked_positions``: [b, p], each sample's masked positions padded to a fixed ``p``
@@ -128,17 +153,28 @@ class BertModel(nn.Module):
         head, positions whose label is >= 0 (the masked ones; -1 elsewhere) get their loss, and
         the others hold 0. ``binary`` is [b, 2] logits on the pooled [CLS], or None without a
         binary head.
+
+        In a pipeline, model chunk ``chunk`` of this stage runs: it takes ``hidden`` (the
+        previous stage's output) unless it is the first stage's first chunk, and returns
+        ``(activation, None)`` unless it is the last stage's last chunk.
         """
-        x = self.embedding(tokens, None, types)  # [b, s, h]
+        padding = padding_mask[:, None, None, :] == 0  # [b, 1, 1, s]
+        if self.pre_process and chunk == 0:
+            hidden = self.embedding(tokens, None, types)  # [b, s, h], or [b, s / tp, h] split
+            if self.embedding_ln is not None:
+                hidden = self.embedding_ln(hidden)
+                hidden = sp.dropout(hidden, self.dropout, self.training, self.seq_group)
         # Every query attends to every real (non-padding) key: bidirectional, no causal mask.
         # Additive (0 / -inf) in the activations' dtype, made once: given a bool mask, every
         # layer's attention would convert it again and keep its own copy for backward.
-        hidden = padding_mask[:, None, None, :] == 0  # [b, 1, 1, s]
-        attend = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device)
-        attend = attend.masked_fill_(hidden, float("-inf"))
-        if self.embedding_ln is not None:
-            x = F.dropout(self.embedding_ln(x), self.dropout, self.training)
-        x = self.transformer(x, attend)  # [b, s, h], replicated across TP ranks
+        attend = torch.zeros(padding.shape, dtype=hidden.dtype, device=hidden.device)
+        attend = attend.masked_fill_(padding, float("-inf"))
+        x = self.transformer(hidden, attend, chunk=chunk)
+        if not (self.post_process and chunk == self.num_chunks - 1):
+            return x, None  # to the next pipeline stage
+        # The heads' consumers are replicated (the LM head's f sums its input gradient), so the
+        # gathered gradient is whole on every rank and each keeps its slice.
+        x = gather_seq(x, self.seq_group)  # [b, s, h], replicated across TP ranks
 
         binary = None
         if self.binary_head is not None:

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.document_mask import document_mask, uses_flex
-from megatron.models.embedding import Embedding
+from megatron.models.embedding import Embedding, stage_embedding
 from megatron.models.kv_cache import KVCache
 from megatron.models.transformer import TransformerStack
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.parallel.mappings import copy_to_tp
+from megatron.parallel.mappings import copy_to_tp, gather_seq_to_tp
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
@@ -24,6 +24,15 @@ class GPTModel(nn.Module):
     token to earlier tokens of its own document, when documents reset attention; the mask is
     built from them on the device once per forward and shared by every layer. ``kv_cache``
     (inference): ``tokens`` continue the cached positions; see ``new_kv_cache``.
+
+    ``sequence_parallel`` (training; needs TP > 1 and a sequence length TP divides) splits the
+    activations between the TP regions along the sequence; the LM head all-gathers them back.
+    Decoding with a KV cache needs a model built without it.
+
+    In a pipeline (``state.pp_size > 1``) this is one stage, in ``chunks`` model chunks
+    (interleaved 1F1B): the first stage holds the embeddings, the last the final LayerNorm, the
+    LM head and the loss, with its own copy of the word table for the tied head (see
+    ``stage_embedding``); its layers keep their global names (``transformer.layers.<i>``).
     """
 
     def __init__(
@@ -33,12 +42,25 @@ class GPTModel(nn.Module):
         padded_vocab_size: int,
         state: ParallelState,
         tracker: RNGTracker,
+        sequence_parallel: bool = False,
+        chunks: int = 1,
     ):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, state.tp_group
+        self.sequence_parallel = sequence_parallel and state.tp_size > 1
         self.attention_dropout = cfg.attention_dropout  # flex attention has none
-        self.embedding = Embedding(cfg, vocab_size, padded_vocab_size, state)
-        self.transformer = TransformerStack(cfg, state, tracker)
+        self.pre_process, self.post_process = state.is_first_stage, state.is_last_stage
+        self.num_chunks = chunks
+        # Called whole (no pipeline, or one chunk on the last stage) the model returns the loss.
+        self.computes_loss = self.post_process and chunks == 1
+        # Built on every stage, so that the generator draws what the whole model draws first.
+        embedding = Embedding(
+            cfg, vocab_size, padded_vocab_size, state, sequence_parallel=sequence_parallel
+        )
+        self.embedding = stage_embedding(embedding, state)
+        self.transformer = TransformerStack(
+            cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
+        )
 
     def forward(
         self,
@@ -47,21 +69,33 @@ class GPTModel(nn.Module):
         document_ids: Tensor | None = None,
         labels: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        hidden: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
+        """In a pipeline, model chunk ``chunk`` of this stage runs: it takes ``hidden`` (the
+        previous stage's output) unless it is the first stage's first chunk, and returns its
+        activation [b, s, h] ([b, s / tp, h] split) unless it is the last stage's last chunk."""
+        if kv_cache is not None and self.sequence_parallel:
+            raise ValueError("a KV cache needs a model built without sequence_parallel")
         if kv_cache is not None and position_ids is None:
             start = kv_cache.length
             position_ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-        h = self.embedding(tokens, position_ids)  # [b, s, h]
+        if self.pre_process and chunk == 0:
+            hidden = self.embedding(tokens, position_ids)  # [b, s, h]
         mask = None  # plain causal attention
         if document_ids is not None:
             if kv_cache is not None:
                 raise ValueError("document_ids and a KV cache together are not supported")
             dropout = self.attention_dropout if self.training else 0.0
-            flex = uses_flex(h.device, dropout)
-            mask = document_mask(document_ids, h.dtype, flex)  # BlockMask, or [b, 1, s, s]
-        h = self.transformer(h, mask, kv_cache)
-        # The tied head is a column-parallel matmul with the vocab-split embedding table.
-        logits = F.linear(copy_to_tp(h, self.tp_group), self.embedding.word.weight)
+            flex = uses_flex(hidden.device, dropout)
+            mask = document_mask(document_ids, hidden.dtype, flex)  # BlockMask, or [b, 1, s, s]
+        h = self.transformer(hidden, mask, kv_cache, chunk)  # [b, s, h], or [b, s / tp, h] split
+        if not (self.post_process and chunk == self.num_chunks - 1):
+            return h  # to the next pipeline stage
+        # The tied head is a column-parallel matmul with the vocab-split embedding table, entered
+        # through f; with sequence parallelism that f also gathers the sequence back.
+        enter = gather_seq_to_tp if self.sequence_parallel else copy_to_tp
+        logits = F.linear(enter(h, self.tp_group), self.embedding.word.weight)
         if labels is None:
             return logits
         # The logits are this call's own temporary, so the loss may overwrite them.

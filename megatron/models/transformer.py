@@ -2,11 +2,18 @@
 
 Per layer, attention and MLP each open a parallel region with a column-parallel matrix (f) and
 close it with a row-parallel one (g): two all-reduces forward and two backward, nothing else.
+
+With ``sequence_parallel`` the activations between the regions (LayerNorms, dropouts, residual
+adds) are each rank's slice of the sequence, [b, s / tp, h]: f all-gathers along the sequence and
+g reduce-scatters, so a layer does two all-gathers and two reduce-scatters each way and no
+all-reduce. The LayerNorms' parameters see split activations and are flagged for the gradient
+all-reduce over TP (``megatron.parallel.sequence_parallel``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -14,19 +21,36 @@ from torch import Tensor, nn
 
 from megatron.models.document_mask import BlockMask, attention
 from megatron.models.kv_cache import KVCache
+from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+
+
+def layer_norm(cfg, state: ParallelState, sequence_parallel: bool) -> nn.LayerNorm:
+    """A LayerNorm over the hidden size; flagged when it sees sequence-split activations."""
+    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
+    if sp.sequence_group(state, sequence_parallel) is not None:
+        sp.mark_sequence_parallel(*ln.parameters())
+    return ln
 
 
 class ParallelAttention(nn.Module):
     """Multi-head self-attention with whole heads per TP rank.
 
     The fused QKV matrix orders its output rows [head, (q, k, v), head_dim], so a contiguous
-    column split hands each rank the q, k and v of its own heads.
+    column split hands each rank the q, k and v of its own heads. With ``sequence_parallel`` the
+    input and output are this rank's sequence slice; attention itself sees the whole sequence.
     """
 
-    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker, layer_index: int):
+    def __init__(
+        self,
+        cfg,
+        state: ParallelState,
+        tracker: RNGTracker,
+        layer_index: int,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.layer_index = layer_index  # this layer's slot in a KV cache
         h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -36,8 +60,8 @@ class ParallelAttention(nn.Module):
         self.tracker = tracker
         init = normal_init(cfg.init_method_std)
         out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
-        self.qkv = ColumnParallelLinear(h, 3 * h, state, init)
-        self.dense = RowParallelLinear(h, h, state, out_init)
+        self.qkv = ColumnParallelLinear(h, 3 * h, state, init, sequence_parallel=sequence_parallel)
+        self.dense = RowParallelLinear(h, h, state, out_init, sequence_parallel=sequence_parallel)
 
     def forward(
         self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
@@ -45,8 +69,9 @@ class ParallelAttention(nn.Module):
         """``attn_mask``: None (causal), an SDPA mask, or a document BlockMask (see
         ``document_mask``). ``kv_cache``: attend over the cached positions too, and cache these
         (decoding)."""
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads_per_partition, 3, self.head_dim)
+        qkv = self.qkv(x)  # [b, s, 3 * h / tp]: the whole sequence, gathered if x is split
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
         # Unbind the (q, k, v) axis where it lies: backward then stacks the three gradients
         # straight into this layout, where unbinding a permuted view costs one more full copy.
         # each [b, heads_per_partition, s, head_dim]
@@ -67,7 +92,7 @@ class ParallelAttention(nn.Module):
             with self.tracker.fork():
                 ctx = attention(q, k, v, attn_mask, dropout, causal)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads_per_partition * self.head_dim)
-        return self.dense(ctx)  # [b, s, h], replicated
+        return self.dense(ctx)  # [b, s, h] replicated, or [b, s / tp, h] with sequence_parallel
 
 
 def gelu(x: Tensor, activation: str) -> Tensor:
@@ -79,36 +104,49 @@ def gelu(x: Tensor, activation: str) -> Tensor:
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel)."""
 
-    def __init__(self, cfg, state: ParallelState):
+    def __init__(self, cfg, state: ParallelState, sequence_parallel: bool = False):
         super().__init__()
         self.activation = cfg.activation
+        h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
         init = normal_init(cfg.init_method_std)
         out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, state, init)
-        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, state, out_init)
+        self.fc1 = ColumnParallelLinear(h, ffn, state, init, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, h, state, out_init, sequence_parallel=sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(gelu(self.fc1(x), self.activation))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)). Post-LN: LN(x + Attn(x)), LN(x + MLP(x))."""
+    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)). Post-LN: LN(x + Attn(x)), LN(x + MLP(x)).
 
-    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker, layer_index: int):
+    ``x`` is [b, s, h], or this rank's [b, s / tp, h] with ``sequence_parallel``.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        state: ParallelState,
+        tracker: RNGTracker,
+        layer_index: int,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.pre_ln = cfg.layernorm_position == "pre"
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
-        self.attention = ParallelAttention(cfg, state, tracker, layer_index)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
-        self.mlp = ParallelMLP(cfg, state)
+        self.ln1 = layer_norm(cfg, state, sequence_parallel)
+        self.attention = ParallelAttention(cfg, state, tracker, layer_index, sequence_parallel)
+        self.ln2 = layer_norm(cfg, state, sequence_parallel)
+        self.mlp = ParallelMLP(cfg, state, sequence_parallel)
         self.dropout = cfg.hidden_dropout
+        self.seq_group = sp.sequence_group(state, sequence_parallel)
 
     def forward(
         self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
     ) -> Tensor:
         # The sublayer outputs are replicated across TP ranks, so this dropout uses the shared
-        # generator and every rank drops the same elements.
-        drop = lambda t: F.dropout(t, self.dropout, self.training)  # noqa: E731
+        # generator and every rank drops the same elements; split along the sequence, each rank
+        # keeps its slice of that same mask.
+        drop = lambda t: sp.dropout(t, self.dropout, self.training, self.seq_group)  # noqa: E731
         if self.pre_ln:
             x = x + drop(self.attention(self.ln1(x), attn_mask, kv_cache))
             return x + drop(self.mlp(self.ln2(x)))
@@ -116,20 +154,61 @@ class TransformerLayer(nn.Module):
         return self.ln2(x + drop(self.mlp(x)))
 
 
+class LayerSlots(nn.Module):
+    """Transformer layers named by their global index (``"4"``: layer 4 of the whole model), so
+    a pipeline stage's state_dict keys are the whole model's keys for the layers it holds.
+    Indexing, ``len`` and iteration are by local position, as for an ``nn.ModuleList``."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, position: int) -> nn.Module:
+        return list(self._modules.values())[position]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+
 class TransformerStack(nn.Module):
     """N layers, a final LayerNorm when pre-LN, optional full activation recomputation, and
-    optional ``torch.compile`` of each layer (``model.compile``)."""
+    optional ``torch.compile`` of each layer (``model.compile``). With ``sequence_parallel``
+    its input and output are this rank's sequence slice.
 
-    def __init__(self, cfg, state: ParallelState, tracker: RNGTracker):
+    ``chunks`` (a pipeline stage): the global indices of the layers this stage holds, one range
+    per model chunk; ``forward(chunk=c)`` runs chunk c's. Every layer of the model is still drawn,
+    in order, and the others dropped at once: the default generator then moves exactly as in the
+    whole model, so a stage's layers equal the whole model's (as TP slices do). The final
+    LayerNorm belongs to the chunk that holds the last layer.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        state: ParallelState,
+        tracker: RNGTracker,
+        sequence_parallel: bool = False,
+        chunks: list[range] | None = None,
+    ):
         super().__init__()
-        self.layers = nn.ModuleList(
-            TransformerLayer(cfg, state, tracker, i) for i in range(cfg.num_layers)
-        )
+        chunks = chunks or [range(cfg.num_layers)]
+        kept = {i for chunk in chunks for i in chunk}
+        layers = {}
+        for i in range(cfg.num_layers):
+            # Local slot i - (layers before it here): the KV cache holds this stage's layers.
+            layer = TransformerLayer(cfg, state, tracker, len(layers), sequence_parallel)
+            if i in kept:
+                layers[i] = layer
+        self.layers = LayerSlots(layers)
+        position = {index: p for p, index in enumerate(layers)}  # global index -> local slot
+        self.chunk_slices = [slice(position[c[0]], position[c[-1]] + 1) for c in chunks]
         self.final_ln = None
-        if cfg.layernorm_position == "pre":
-            self.final_ln = nn.LayerNorm(
-                cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device
-            )
+        if cfg.layernorm_position == "pre" and cfg.num_layers - 1 in kept:
+            self.final_ln = layer_norm(cfg, state, sequence_parallel)
         self.recompute = cfg.recompute == "full"
         self.tracker = tracker
         # Regional compilation (model.compile): each layer on its own, so layers share one
@@ -142,12 +221,14 @@ class TransformerStack(nn.Module):
         x: Tensor,
         attn_mask: Tensor | BlockMask | None = None,
         kv_cache: KVCache | None = None,
+        chunk: int = 0,
     ) -> Tensor:
-        """``kv_cache`` (inference): each layer attends over and extends it; it then counts
-        the new positions as cached."""
-        for i, layer in enumerate(self.layers):
-            if self.compiled is not None and kv_cache is None:
-                layer = self.compiled[i]
+        """Chunk ``chunk``'s layers (all of them without a pipeline). ``kv_cache`` (inference):
+        each layer attends over and extends it; it then counts the new positions as cached."""
+        layers = list(self.layers)
+        if self.compiled is not None and kv_cache is None:
+            layers = self.compiled
+        for layer in layers[self.chunk_slices[chunk]]:
             if self.recompute and self.training:
                 x = torch.utils.checkpoint.checkpoint(
                     layer,
@@ -160,4 +241,5 @@ class TransformerStack(nn.Module):
                 x = layer(x, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(x.shape[1])
-        return x if self.final_ln is None else self.final_ln(x)
+        last = chunk == len(self.chunk_slices) - 1
+        return x if self.final_ln is None or not last else self.final_ln(x)

@@ -12,8 +12,10 @@ One step, in order, all of it queued on the device without waiting for it:
    (the loop's metrics and exit flags) ride in the same all-reduce;
 4. global L2 norm: a TP-split parameter (``tp_split_dim`` set) holds a different slice on each TP
    rank, so every TP rank adds its slice; a replicated one (LayerNorm, row-parallel bias) holds the
-   same gradient on every TP rank, so only TP rank 0 adds it. The squared sum is all-reduced over
-   the TP group; after the DP all-reduce every DP replica already holds the same gradients;
+   same gradient on every TP rank, so only TP rank 0 adds it. Pipeline stages hold other layers,
+   so the squared sum is all-reduced over the model-parallel group (TP x PP); the tied word
+   embedding's copy on the last stage (``pipeline_tied``) holds the first stage's gradient and is
+   not added again. After the DP all-reduce every DP replica already holds the same gradients;
 5. clip to ``clip_grad`` (the coefficient min(1, clip / norm) stays on the device), run AdamW on
    the fp32 main params, copy them back to the model's dtype. On a non-finite value the fused
    AdamW kernel reads the agreed flag and changes nothing (moments, step count, parameters), so
@@ -22,6 +24,8 @@ One step, in order, all of it queued on the device without waiting for it:
    so that a clock stopped after ``step()`` has timed all of it.
 
 Low-precision (bf16/fp16) parameters get fp32 main copies; fp32 parameters are their own main.
+``MainParamOptimizer`` holds that step for both optimizers: this module's, over whole
+parameters, and megatron/optim/distributed_optimizer.py's, over this DP rank's shard of them.
 """
 
 from __future__ import annotations
@@ -29,16 +33,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.config import OptimizerConfig
 from megatron.errors import ConfigError
-from megatron.optim.grad_scaler import GradScaler, build_grad_scaler
+from megatron.optim.grad_scaler import GradScaler
 from megatron.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    pass
 
 # The torch dtype of each precision.dtype name.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,53 +63,85 @@ class StepResult:
 
 
 def _squared_norm(grads: list[Tensor], device: torch.device) -> Tensor:
-    """Sum of squares of all ``grads`` as an fp64 scalar (fp64 so the TP sum loses nothing)."""
+    """Sum of squares of all ``grads`` as an fp64 scalar, accumulated in fp64: then how the
+    gradients are cut into tensors (whole parameters, DP shards, TP slices) changes the sum only
+    in its last fp64 bits, and the fp32 clip coefficient almost never."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return nn.utils.get_total_norm(grads, norm_type=2.0).double().square()
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
 
 
-class MixedPrecisionOptimizer:
-    """AdamW on fp32 main parameters; see the module docstring for one step."""
+def counts_in_norm(param: Tensor, state: ParallelState) -> bool:
+    """Whether ``param``'s gradient is part of the global norm on this rank: all but the last
+    stage's copy of the tied word embedding, whose gradient the first stage's copy holds too."""
+    return not (getattr(param, "pipeline_tied", False) and not state.is_first_stage)
 
-    def __init__(
-        self,
-        named_params: list[tuple[str, nn.Parameter]],
-        cfg: OptimizerConfig,
-        scaler: GradScaler,
-        state: ParallelState,
-    ):
+
+def decays(name: str, param: Tensor) -> bool:
+    """Whether weight decay applies: matrices yes; biases, LayerNorm and other vectors no."""
+    return not (param.ndim < 2 or name.endswith(".bias"))
+
+
+def check_entries(saved: dict[str, Any], names: list[str], params: list[Tensor]) -> None:
+    """Refuse per-parameter optimizer state saved for another model or another TP size."""
+    missing = [n for n in names if n not in saved]
+    extra = [n for n in saved if n not in names]
+    if missing or extra:
+        raise ConfigError(
+            f"optimizer state does not match the model (missing {missing[:3]}, unexpected "
+            f"{extra[:3]}); load a checkpoint of this model or set checkpoint.finetune=true"
+        )
+    for name, param in zip(names, params):
+        for key in ("main", "exp_avg", "exp_avg_sq"):
+            value = saved[name].get(key)
+            if value is not None and tuple(value.shape) != tuple(param.shape):
+                raise ConfigError(
+                    f"optimizer state {name}.{key} has shape {tuple(value.shape)}, the "
+                    f"model {tuple(param.shape)}; reshard the checkpoint to this TP size"
+                )
+
+
+class MainParamOptimizer:
+    """The step shared by both optimizers (see the module docstring), over ``main_params``: fp32
+    tensors, each a whole parameter or a piece of one, each with its own fp32 gradient.
+
+    A subclass builds its main params, calls ``_setup``, and says how gradients reach them
+    (``_attach_grads``), how the flag and the squared norm are reduced (``_reduce``) and how the
+    updated values reach the model (``_copy_back``).
+    """
+
+    def __init__(self, cfg: OptimizerConfig, scaler: GradScaler, state: ParallelState):
         self.cfg, self.scaler, self.state = cfg, scaler, state
         self.clip_grad = cfg.clip_grad
-        self.names: list[str] = []
         self.model_params: list[nn.Parameter] = []
-        self.main_params: list[Tensor] = []
-        decay: list[Tensor] = []
-        no_decay: list[Tensor] = []
-        for name, param in named_params:
-            if not param.requires_grad:
-                continue
-            # An fp32 parameter is its own main copy; a bf16/fp16 one gets an fp32 leaf copy.
-            main = param if param.dtype == torch.float32 else param.detach().float()
-            self.names.append(name)
-            self.model_params.append(param)
-            self.main_params.append(main)
-            (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(main)
-        if not self.main_params:
+
+    def _setup(
+        self, mains: list[Tensor], decay: list[bool], split: list[bool], counted: list[bool]
+    ) -> None:
+        """AdamW over ``mains``; ``split[i]``: main i is (part of) a TP-split parameter;
+        ``counted[i]``: its gradient is part of the norm (``counts_in_norm``)."""
+        if not mains:
             raise ValueError("the model has no trainable parameters")
-        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
-        self._split = [getattr(p, "tp_split_dim", None) is not None for p in self.model_params]
-        self._lowp = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
-        self.device = self.main_params[0].device
+        self.main_params, self._split, self._counted = mains, split, counted
+        self.device = mains[0].device
+        # Steps applied to each main param, on the host: read without a device sync.
+        self._steps = [0] * len(mains)
         groups = [
             {"params": ps, "weight_decay": wd}
-            for ps, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+            for ps, wd in (
+                ([m for m, d in zip(mains, decay) if d], self.cfg.weight_decay),
+                ([m for m, d in zip(mains, decay) if not d], 0.0),
+            )
             if ps
         ]
         # Fused (on CPU too): every parameter in a few launches, and the only variant that skips
         # on a device-side overflow flag, which keeps the host from waiting mid-step.
         self.inner = torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True
+            groups,
+            lr=self.cfg.lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+            fused=True,
         )
 
     @property
@@ -120,21 +159,23 @@ class MixedPrecisionOptimizer:
         return loss if self.scaler.scale == 1.0 else loss * self.scaler.scale
 
     def _attach_grads(self) -> list[Tensor | None]:
-        """Point each main param's ``.grad`` at its fp32 gradient; return them in param order."""
-        grads: list[Tensor | None] = []
-        for param, main in zip(self.model_params, self.main_params):
-            grad = getattr(param, "main_grad", None)
-            if grad is None and param.grad is not None:
-                grad = param.grad.float()  # a no-op for fp32, a copy for bf16/fp16
-            main.grad = grad
-            grads.append(grad)
-        return grads
+        """Point each main param's ``.grad`` at its fp32 gradient; return them in main order."""
+        raise NotImplementedError
+
+    def _reduce(self, summed: Tensor, local: Tensor) -> tuple[Tensor, Tensor]:
+        """(``summed`` summed over the world, the global squared norm) from this rank's values."""
+        raise NotImplementedError
+
+    def _copy_back(self) -> None:
+        """Make the model's parameters hold the (updated) main params, in the model's dtype."""
+        raise NotImplementedError
 
     def _release_grads(self) -> None:
         # An fp32 param's .grad is now a view of its main_grad bucket: left in place, the next
         # backward would accumulate into the bucket directly and count that gradient twice.
-        for param, main in zip(self.model_params, self.main_params):
+        for main in self.main_params:
             main.grad = None
+        for param in self.model_params:
             param.grad = None
 
     @torch.no_grad()
@@ -149,33 +190,31 @@ class MixedPrecisionOptimizer:
         present = [g for g in grads if g is not None]
         if loss_scale != 1.0:
             torch._foreach_mul_(present, 1.0 / loss_scale)
-        pairs = [(g, s) for g, s in zip(grads, self._split) if g is not None]
+        pairs = [
+            (g, s) for g, s, c in zip(grads, self._split, self._counted) if g is not None and c
+        ]
         split = _squared_norm([g for g, s in pairs if s], self.device)
         repl = _squared_norm([g for g, s in pairs if not s], self.device)
         found = (~torch.isfinite(split + repl)).to(torch.float64).reshape(1)
         local = split + repl if self.state.tp_rank == 0 else split
         summed = found if extras is None else torch.cat([found, extras.to(torch.float64)])
-        if self.state.world_size > 1:
-            # Every rank holding part of the model must agree to skip, or replicas diverge; the
-            # caller's values ride along, so the step stays one collective over the world.
-            dist.all_reduce(summed)
-        if self.state.tp_size > 1:
-            # Each TP rank holds other slices of the split parameters; sum the squares.
-            dist.all_reduce(local, group=self.state.tp_group)
+        summed, squared = self._reduce(summed, local)
         skip = summed[0] > 0
         if self.clip_grad > 0:
             # min(1, clip / norm) in fp64 like a host-side coefficient, then fp32 like the
             # scalar a host-side multiply would use: the same numbers, without a sync.
-            coeff = (self.clip_grad / (local.sqrt() + 1e-6)).clamp(max=1.0)
+            coeff = (self.clip_grad / (squared.sqrt() + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(present, coeff.to(torch.float32))
         self.inner.found_inf = skip.to(torch.float32)  # read by the fused kernel: skip on device
         self.inner.step()
-        if self._lowp:
-            torch._foreach_copy_([p for p, _ in self._lowp], [m for _, m in self._lowp])
+        self._copy_back()
         # The one host sync of a step, after its last kernel: the agreed flag, the norm, the sums.
-        found_inf, *sums, squared = torch.cat([summed, local.reshape(1)]).tolist()
+        found_inf, *sums, squared = torch.cat([summed, squared.reshape(1)]).tolist()
         grad_norm = math.sqrt(squared) if squared >= 0 else math.nan
         found_inf = found_inf > 0
+        if not found_inf:
+            for i, grad in enumerate(grads):
+                self._steps[i] += grad is not None  # torch's AdamW skips a param without .grad
         self.scaler.update(found_inf)
         self._release_grads()
         return StepResult(not found_inf, grad_norm, found_inf, loss_scale, tuple(sums))
@@ -184,6 +223,64 @@ class MixedPrecisionOptimizer:
         """Drop ``.grad`` of model and main params (DataParallel.zero_grad_buffer zeroes
         ``main_grad``)."""
         self._release_grads()
+
+
+class MixedPrecisionOptimizer(MainParamOptimizer):
+    """AdamW on fp32 main parameters, whole ones; see the module docstring for one step."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        cfg: OptimizerConfig,
+        scaler: GradScaler,
+        state: ParallelState,
+    ):
+        super().__init__(cfg, scaler, state)
+        self.names: list[str] = []
+        mains: list[Tensor] = []
+        for name, param in named_params:
+            if not param.requires_grad:
+                continue
+            # An fp32 parameter is its own main copy; a bf16/fp16 one gets an fp32 leaf copy.
+            mains.append(param if param.dtype == torch.float32 else param.detach().float())
+            self.names.append(name)
+            self.model_params.append(param)
+        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
+        split = [getattr(p, "tp_split_dim", None) is not None for p in self.model_params]
+        decay = [decays(n, p) for n, p in zip(self.names, self.model_params)]
+        self._setup(mains, decay, split, [counts_in_norm(p, state) for p in self.model_params])
+        self._lowp = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
+
+    def _attach_grads(self) -> list[Tensor | None]:
+        grads: list[Tensor | None] = []
+        for param, main in zip(self.model_params, self.main_params):
+            grad = getattr(param, "main_grad", None)
+            if grad is None and param.grad is not None:
+                grad = param.grad.float()  # a no-op for fp32, a copy for bf16/fp16
+            main.grad = grad
+            grads.append(grad)
+        return grads
+
+    def _reduce(self, summed: Tensor, local: Tensor) -> tuple[Tensor, Tensor]:
+        if self.state.world_size > 1:
+            # Every rank holding part of the model must agree to skip, or replicas diverge; the
+            # caller's values ride along, so the step stays one collective over the world.
+            dist.all_reduce(summed)
+        if self.state.tp_size * self.state.pp_size > 1:
+            # Each TP rank holds other slices of the split parameters, each stage other layers:
+            # sum the squares over both.
+            dist.all_reduce(local, group=self.state.mp_group)
+        return summed, local
+
+    def _copy_back(self) -> None:
+        if self._lowp:
+            torch._foreach_copy_([p for p, _ in self._lowp], [m for _, m in self._lowp])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: fp32 main copies of low-precision params and
+        both Adam moments (counted before the first step allocates them)."""
+        numel = sum(m.numel() for m in self.main_params)
+        return 4 * (2 * numel + sum(m.numel() for _, m in self._lowp))
 
     @torch.no_grad()
     def reload_main_params(self) -> None:
@@ -197,16 +294,18 @@ class MixedPrecisionOptimizer:
 
         ``{"params": {name: {"exp_avg", "exp_avg_sq", "step", ["main"]}}, "grad_scaler": {...}}``:
         every tensor has its parameter's local shape (split along ``tp_split_dim``), so checkpoints
-        can reshard it; moments are absent before the first step. Tensors are live references.
+        can reshard it; "step" is a host int; moments are absent before the first step. Tensors
+        are live references.
         """
         params: dict[str, dict[str, Any]] = {}
-        for name, param, main in zip(self.names, self.model_params, self.main_params):
+        for i, (name, param, main) in enumerate(
+            zip(self.names, self.model_params, self.main_params)
+        ):
             entry: dict[str, Any] = {}
             adam = self.inner.state.get(main)
             if adam:
-                entry.update(
-                    exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"], step=int(adam["step"])
-                )
+                entry.update(exp_avg=adam["exp_avg"], exp_avg_sq=adam["exp_avg_sq"])
+                entry["step"] = self._steps[i]
             if main is not param:
                 entry["main"] = main
             params[name] = entry
@@ -221,46 +320,28 @@ class MixedPrecisionOptimizer:
         copy when they already sit on the right device), so pass a state nobody else updates.
         """
         saved = state["params"]
-        missing = [n for n in self.names if n not in saved]
-        extra = [n for n in saved if n not in self.names]
-        if missing or extra:
-            raise ConfigError(
-                f"optimizer state does not match the model (missing {missing[:3]}, unexpected "
-                f"{extra[:3]}); load a checkpoint of this model or set checkpoint.finetune=true"
-            )
+        check_entries(saved, self.names, self.model_params)
         # torch numbers parameters across groups in order; its state dict is keyed by number.
         order = [p for group in self.inner.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
         inner = {"state": {}, "param_groups": self.inner.state_dict()["param_groups"]}
-        for name, param, main in zip(self.names, self.model_params, self.main_params):
+        for i, (name, param, main) in enumerate(
+            zip(self.names, self.model_params, self.main_params)
+        ):
             entry = saved[name]
-            for key in ("main", "exp_avg", "exp_avg_sq"):
-                if key in entry and tuple(entry[key].shape) != tuple(param.shape):
-                    raise ConfigError(
-                        f"optimizer state {name}.{key} has shape {tuple(entry[key].shape)}, the "
-                        f"model {tuple(param.shape)}; reshard the checkpoint to this TP size"
-                    )
             if "main" in entry:
                 main.copy_(entry["main"])
                 if main is not param:
                     param.copy_(main)
             elif main is not param:
                 main.copy_(param)
+            self._steps[i] = int(entry.get("step", 0)) if "exp_avg" in entry else 0
             if "exp_avg" in entry:
                 inner["state"][index[id(main)]] = {
-                    "step": torch.tensor(float(entry["step"])),
+                    "step": torch.tensor(float(self._steps[i])),
                     "exp_avg": entry["exp_avg"],
                     "exp_avg_sq": entry["exp_avg_sq"],
                 }
         # torch's own loader casts and moves every state tensor next to its parameter.
         self.inner.load_state_dict(inner)
         self.scaler.load_state_dict(state["grad_scaler"])
-
-
-def build_optimizer(
-    model: nn.Module, opt_cfg: OptimizerConfig, precision_cfg: PrecisionConfig, state: ParallelState
-) -> MixedPrecisionOptimizer:
-    """AdamW over ``model``'s parameters with the loss scaler ``precision_cfg`` asks for."""
-    return MixedPrecisionOptimizer(
-        list(model.named_parameters()), opt_cfg, build_grad_scaler(precision_cfg), state
-    )

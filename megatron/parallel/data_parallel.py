@@ -1,4 +1,5 @@
-"""Data-parallel gradient sync: fp32 buckets, all-reduced during backward, on the last micro-batch.
+"""Data-parallel gradient sync: fp32 buckets, all-reduced (or reduce-scattered) during backward,
+on the last micro-batch.
 
 Every trainable parameter gets ``param.main_grad``, an fp32 view into one flat buffer that is cut
 into buckets of about ``bucket_size_mb``. A post-accumulate-grad hook adds each fresh ``param.grad``
@@ -9,7 +10,23 @@ so no low-precision ``.grad`` exists for them and the hook, which autograd still
 counts them. On the last micro-batch of a step (outside ``no_sync()``), a bucket whose parameters
 all have their gradient is averaged over DP by an asynchronous all-reduce (``ReduceOp.AVG`` on
 NCCL; divided first, then summed, on gloo) while backward goes on producing the next buckets;
-``finish_grad_sync()`` waits for them.
+``finish_grad_sync()`` waits for them. Under a pipeline schedule the last micro-batch's backward
+is each model chunk's own: the schedule calls ``sync_backward`` before every backward, on for
+each chunk's last one; a bucket holding a pipeline-tied parameter (the word table's copy on the
+first and the last stage) also waits for ``finish_grad_sync``, since the two copies' gradients
+must be summed over their stages before the DP reduction (their DP shards differ).
+
+With ``shard_optimizer`` (parallel.distributed_optimizer, megatron/optim/distributed_optimizer.py)
+each bucket is padded to a multiple of the DP size and DP rank d owns the d-th contiguous slice of
+every bucket. A full bucket is then reduce-scattered instead (the same average, landing only in
+the owned slice), and the parameters become views of one flat model-dtype buffer laid out like the
+gradient buffer, so that after the optimizer wrote its updated slices, ``gather_params()``
+all-gathers each bucket's parameters in place. Both collectives, with the output aliasing the
+input as here, exist on NCCL and on gloo for CPU tensors (checked with torch 2.13)::
+
+    buffer  | bucket 0 (padded to 2n)  | bucket 1 (padded to 2m)  |     (DP = 2)
+    rank 0  | [0, n)                   | [0, m)                   |  -> its shard: n + m values
+    rank 1  |          [n, 2n)         |          [m, 2m)         |
 
 Buckets follow the reverse of registration order, roughly the order backward produces gradients,
 and are launched strictly in bucket order, so every DP rank issues the same collectives in the
@@ -50,41 +67,92 @@ def mean_op(backend: str) -> dist.ReduceOp | None:
 class _Bucket:
     flat: Tensor  # fp32 view of the shared buffer holding these parameters' main_grad
     params: list[nn.Parameter]
+    start: int  # offset of ``flat`` in the buffer
+    numel: int  # the parameters' elements; ``flat`` may hold padding after them
+    shard: slice  # this DP rank's slice of ``flat`` (all of it without shard_optimizer)
+    param_flat: Tensor | None = field(default=None, repr=False)  # the params' flat buffer view
     ready: int = 0  # parameters whose gradient of the last micro-batch has arrived
+    # Holds a pipeline-tied parameter (the word table's copy on a stage at either end): waits
+    # for finish_grad_sync, once the copies' gradients have been summed over the two stages.
+    held: bool = False
     launched: bool = False
     handle: dist.Work | None = field(default=None, repr=False)
 
 
 class DataParallel:
-    """fp32 gradient buffers for ``module`` and their bucketed all-reduce over the DP group."""
+    """fp32 gradient buffers for ``module`` and their bucketed all-reduce (or, with
+    ``shard_optimizer``, reduce-scatter) over the DP group."""
 
-    def __init__(self, module: nn.Module, state: ParallelState, bucket_size_mb: float = 25.0):
+    def __init__(
+        self,
+        module: nn.Module,
+        state: ParallelState,
+        bucket_size_mb: float = 25.0,
+        shard_optimizer: bool = False,
+    ):
         self.module, self.group, self.dp_size = module, state.dp_group, state.dp_size
+        self.dp_rank, self.shard_optimizer = state.dp_rank, shard_optimizer
         # parameters() yields a tied parameter once, so it gets one main_grad and one hook.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         if not params:
             raise ValueError("the module has no trainable parameters")
-        self.buffer = torch.zeros(
-            sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
-        )
-        limit = max(1, int(bucket_size_mb * 2**20) // self.buffer.element_size())
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
-        start = end = 0
+        self.params = params  # in buffer order
+        self.offsets: dict[int, int] = {}  # id(param) -> its first element in the buffers
+        limit = max(1, int(bucket_size_mb * 2**20) // 4)  # fp32 values per bucket
+        pad_to = self.dp_size if shard_optimizer else 1
+        spans: list[tuple[int, int, list[nn.Parameter]]] = []  # (start, numel, members)
+        start = numel = 0
         members: list[nn.Parameter] = []
         for i, param in enumerate(params):
-            param.main_grad = self.buffer[end : end + param.numel()].view_as(param)
-            end += param.numel()
+            self.offsets[id(param)] = start + numel
+            numel += param.numel()
             members.append(param)
-            if end - start >= limit or i == len(params) - 1:
-                bucket = _Bucket(self.buffer[start:end], members)
-                self.buckets.append(bucket)
-                self._bucket_of.update({id(p): bucket for p in members})
-                start, members = end, []
+            if numel >= limit or i == len(params) - 1:
+                spans.append((start, numel, members))
+                start += -(-numel // pad_to) * pad_to  # padded, so that DP slices are equal
+                numel, members = 0, []
+        self.buffer = torch.zeros(start, dtype=torch.float32, device=params[0].device)
+        self.param_buffer = self._flatten_params() if shard_optimizer else None
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        for start, numel, members in spans:
+            size = -(-numel // pad_to) * pad_to
+            part = size // pad_to
+            mine = (
+                slice(part * self.dp_rank, part * (self.dp_rank + 1))
+                if shard_optimizer
+                else slice(0, size)
+            )
+            bucket = _Bucket(self.buffer[start : start + size], members, start, numel, mine)
+            bucket.held = any(getattr(p, "pipeline_tied", False) for p in members)
+            if self.param_buffer is not None:
+                bucket.param_flat = self.param_buffer[start : start + size]
+            self.buckets.append(bucket)
+            self._bucket_of.update({id(p): bucket for p in members})
+        for param in params:
+            offset = self.offsets[id(param)]
+            param.main_grad = self.buffer[offset : offset + param.numel()].view_as(param)
         self._avg = mean_op(dist.get_backend(self.group)) if self.dp_size > 1 else None
         self._sync = True
         self._next = 0  # index of the first bucket not yet launched this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @torch.no_grad()
+    def _flatten_params(self) -> Tensor:
+        """Move every parameter into one flat buffer laid out like ``buffer``; return it.
+
+        The Parameter objects stay (optimizers and hooks keep working); only their storage moves.
+        """
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"the distributed optimizer needs one parameter dtype, got {dtypes}")
+        flat = torch.zeros_like(self.buffer, dtype=self.params[0].dtype)
+        for param in self.params:
+            offset = self.offsets[id(param)]
+            view = flat[offset : offset + param.numel()].view_as(param)
+            view.copy_(param)
+            param.data = view
+        return flat
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -94,6 +162,11 @@ class DataParallel:
             yield
         finally:
             self._sync = previous
+
+    def sync_backward(self, enabled: bool) -> None:
+        """Whether the next backward's gradients complete buckets (as outside ``no_sync``), set
+        by a pipeline schedule before each backward: on the last one of each model chunk."""
+        self._sync = enabled
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
@@ -108,12 +181,12 @@ class DataParallel:
         if self._sync:
             bucket.ready += 1
             # In bucket order only, so all DP ranks issue the same collectives in the same order.
-            while self._next < len(self.buckets) and self._is_full(self.buckets[self._next]):
+            while self._next < len(self.buckets) and self._is_ready(self.buckets[self._next]):
                 self._launch(self.buckets[self._next])
 
     @staticmethod
-    def _is_full(bucket: _Bucket) -> bool:
-        return bucket.ready == len(bucket.params)
+    def _is_ready(bucket: _Bucket) -> bool:
+        return bucket.ready == len(bucket.params) and not bucket.held
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.dp_size > 1:
@@ -122,14 +195,22 @@ class DataParallel:
                 # No AVG here (gloo): divide first (exact for power-of-two DP sizes), then SUM.
                 bucket.flat.div_(self.dp_size)
                 op = dist.ReduceOp.SUM
-            bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.group, async_op=True)
+            if self.shard_optimizer:
+                # The average lands in this rank's slice only (the output aliases the input).
+                bucket.handle = dist.reduce_scatter_single(
+                    bucket.flat[bucket.shard], bucket.flat, op=op, group=self.group, async_op=True
+                )
+            else:
+                bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.group, async_op=True)
         bucket.launched = True
         self._next += 1
 
     def finish_grad_sync(self) -> None:
-        """Launch the buckets backward did not complete (unused parameters), wait for all.
+        """Launch the buckets backward did not complete (unused parameters, held buckets),
+        wait for all.
 
-        Afterwards every ``main_grad`` holds the DP mean of the step's summed gradients.
+        Afterwards every ``main_grad`` holds the DP mean of the step's summed gradients; with
+        ``shard_optimizer`` only the elements in this rank's bucket slices do.
         """
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
@@ -138,6 +219,18 @@ class DataParallel:
                 bucket.handle.wait()
             bucket.ready, bucket.launched, bucket.handle = 0, False, None
         self._next = 0
+
+    def gather_params(self) -> None:
+        """Every bucket's parameters from the DP rank that owns each slice, in place in
+        ``param_buffer`` (``shard_optimizer`` only): launched per bucket, then waited for."""
+        if self.param_buffer is None or self.dp_size == 1:
+            return
+        handles = [
+            dist.all_gather_single(b.param_flat, b.param_flat[b.shard], self.group, async_op=True)
+            for b in self.buckets
+        ]
+        for handle in handles:
+            handle.wait()
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (one kernel over the flat buffer) before the next step."""

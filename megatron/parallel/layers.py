@@ -10,6 +10,11 @@ resharding knows which rows are padding.
 The column- and row-parallel matmuls run through ``LinearWithGradReduce`` when it pays: it
 overlaps the column-parallel input-gradient all-reduce with the weight-gradient matmul, and adds
 the weight gradient straight into the fp32 ``main_grad`` that DataParallel gives each parameter.
+
+With ``sequence_parallel`` the column-parallel layer takes activations split along the sequence
+and all-gathers them (its backward reduce-scatters the input gradient instead of all-reducing
+it), and the row-parallel layer reduce-scatters its output along the sequence instead of
+all-reducing it; its bias, added to split activations, is flagged ``sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from megatron.parallel.mappings import (
+    all_gather_seq,
+    copy_to_tp,
+    gather_from_tp,
+    gather_seq_to_tp,
+    reduce_from_tp,
+    reduce_scatter_seq_from_tp,
+    reduce_scatter_seq_start,
+)
+from megatron.parallel.sequence_parallel import mark_sequence_parallel
 from megatron.parallel.state import ParallelState
 
 InitMethod = Callable[[Tensor], Tensor]
@@ -100,9 +114,12 @@ class LinearWithGradReduce(torch.autograd.Function):
 
     With ``group`` this is f followed by the matmul, in one Function: the column-parallel layer
     passes its TP group instead of wrapping its input in ``copy_to_tp``, so the collective count
-    is unchanged. With ``fuse_wgrad``, dA goes into the weight's fp32 ``main_grad`` in place and
-    the weight gets no ``.grad`` at all (DataParallel's hook then sees ``None`` and only counts
-    it); the bias gradient (small) takes the ordinary path either way.
+    is unchanged. With ``sequence_parallel`` too, f is the sequence-parallel one: forward
+    all-gathers X along the sequence (and saves the gathered X for the wgrad), backward
+    reduce-scatters dX instead of all-reducing it. With ``fuse_wgrad``, dA goes into the weight's
+    fp32 ``main_grad`` in place and the weight gets no ``.grad`` at all (DataParallel's hook then
+    sees ``None`` and only counts it); the bias gradient (small) takes the ordinary path either
+    way.
     """
 
     @staticmethod
@@ -113,7 +130,11 @@ class LinearWithGradReduce(torch.autograd.Function):
         bias: Tensor | None,
         group: dist.ProcessGroup | None,
         fuse_wgrad: bool,
+        sequence_parallel: bool,
     ) -> Tensor:
+        ctx.sequence_parallel = sequence_parallel and group is not None
+        if ctx.sequence_parallel:
+            x = all_gather_seq(x, group)  # [b, s / tp, h] -> [b, s, h]
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         # Held here, not read off the saved weight in backward: activation recomputation hands
@@ -129,7 +150,9 @@ class LinearWithGradReduce(torch.autograd.Function):
         grad_x = handle = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_2d.mm(weight).view_as(x)  # [..., in]
-            if ctx.group is not None:
+            if ctx.sequence_parallel:
+                grad_x, handle = reduce_scatter_seq_start(grad_x, ctx.group)  # [b, s / tp, in]
+            elif ctx.group is not None:
                 # A fresh tensor nobody else reads before the wait: reduced in place.
                 handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
         grad_weight = grad_bias = None
@@ -143,7 +166,7 @@ class LinearWithGradReduce(torch.autograd.Function):
             grad_bias = grad_2d.sum(0)  # [out]
         if handle is not None:
             handle.wait()
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def _linear(
@@ -152,13 +175,14 @@ def _linear(
     bias: Tensor | None,
     fuse_wgrad: bool,
     group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> Tensor:
     """F.linear, or LinearWithGradReduce when there is a reduce to overlap or a ``main_grad``
     to accumulate into (DataParallel's fp32 buffer)."""
     fuse_wgrad = fuse_wgrad and getattr(weight, "main_grad", None) is not None
     if group is None and not fuse_wgrad:
         return F.linear(x, weight, bias)
-    return LinearWithGradReduce.apply(x, weight, bias, group, fuse_wgrad)
+    return LinearWithGradReduce.apply(x, weight, bias, group, fuse_wgrad, sequence_parallel)
 
 
 def _divide(n: int, tp: int, what: str) -> int:
@@ -171,8 +195,11 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: A = [A_1, ..., A_p], b = [b_1, ..., b_p].
 
     Rank i computes Y_i = X A_i + b_i. The input goes through f (its gradient is all-reduced);
-    the output stays split unless ``gather_output``. ``async_grad_allreduce`` overlaps that
-    all-reduce with the weight-gradient matmul (None: where ``async_grad_allreduce_pays``);
+    the output stays split unless ``gather_output``. With ``sequence_parallel`` the input is
+    this rank's sequence slice [b, s / tp, in] and f is the sequence-parallel one (all-gather
+    forward, reduce-scatter backward); the output is [b, s, out / tp] either way.
+    ``async_grad_allreduce`` overlaps that input-gradient collective with the weight-gradient
+    matmul (None: where ``async_grad_allreduce_pays``);
     ``gradient_accumulation_fusion`` adds the weight gradient into ``weight.main_grad`` (fp32)
     when the weight has one. Both are plain attributes, so they can be switched after building.
     """
@@ -188,9 +215,11 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | None = None,
         async_grad_allreduce: bool | None = None,
         gradient_accumulation_fusion: bool = True,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.group, self.gather_output = state.tp_group, gather_output
+        self.sequence_parallel = sequence_parallel and state.tp_size > 1
         self.out_per_partition = _divide(out_features, state.tp_size, "out_features")
         device = device or state.device
         if async_grad_allreduce is None:
@@ -206,10 +235,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         fuse = self.gradient_accumulation_fusion
-        if self.async_grad_allreduce:  # f's all-reduce happens inside the linear's backward
-            y = _linear(x, self.weight, self.bias, fuse, self.group)
+        if self.async_grad_allreduce:  # f's collectives happen inside the linear
+            y = _linear(x, self.weight, self.bias, fuse, self.group, self.sequence_parallel)
         else:
-            y = _linear(copy_to_tp(x, self.group), self.weight, self.bias, fuse)
+            enter = gather_seq_to_tp if self.sequence_parallel else copy_to_tp
+            y = _linear(enter(x, self.group), self.weight, self.bias, fuse)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -219,6 +249,8 @@ class RowParallelLinear(nn.Module):
     Rank i computes X_i A_i; g all-reduces the partial sums, then the replicated bias is added
     once. The input must already be split along its last dimension. ``gradient_accumulation_fusion``
     as in ColumnParallelLinear (nothing to overlap here: the input gradient needs no reduce).
+    With ``sequence_parallel`` g is a reduce-scatter along the sequence: the output is this
+    rank's [b, s / tp, out], and the bias (flagged ``sequence_parallel``) is added to that slice.
     """
 
     def __init__(
@@ -230,20 +262,25 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         device: torch.device | None = None,
         gradient_accumulation_fusion: bool = True,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.group, self.tp_size = state.tp_group, state.tp_size
+        self.sequence_parallel = sequence_parallel and state.tp_size > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_per_partition = _divide(in_features, state.tp_size, "in_features")
         device = device or state.device
         self.weight = _sharded_param((out_features, in_features), 1, state, init, device)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         fuse = self.gradient_accumulation_fusion
         if self.tp_size == 1:  # nothing to reduce: let the matmul add the bias (no extra pass)
             return _linear(x, self.weight, self.bias, fuse)
-        y = reduce_from_tp(_linear(x, self.weight, None, fuse), self.group)
+        leave = reduce_scatter_seq_from_tp if self.sequence_parallel else reduce_from_tp
+        y = leave(_linear(x, self.weight, None, fuse), self.group)
         return y if self.bias is None else y + self.bias
 
 

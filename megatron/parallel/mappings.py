@@ -3,6 +3,14 @@
 ``f`` (copy) opens a parallel region and ``g`` (reduce) closes it; scatter and gather move a tensor
 between replicated and split along its last dimension. Each wrapper takes the TP group explicitly
 and returns its input untouched when the group has one rank.
+
+Sequence parallelism (Korthikanti et al. 2022) splits the activations between the TP regions
+along the sequence, dimension 1 of ``[b, s, h]``. Its f is an all-gather along the sequence
+(reduce-scatter backward) and its g a reduce-scatter (all-gather backward): each moves half the
+bytes of an all-reduce, which is itself a reduce-scatter and an all-gather, so the wire carries
+what it did. Scatter and gather along the sequence bridge to replicated tensors at the model's
+ends. The collectives work on dimension 0, so ``[b, s, h]`` is laid out rank-major as
+``[tp, b, s / tp, h]`` on the way in or out (one copy each).
 """
 
 from __future__ import annotations
@@ -26,6 +34,54 @@ def _gather_last(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _seq_chunk(x: Tensor, tp: int) -> int:
+    """Positions per rank when [b, s, ...] is split along the sequence over ``tp`` ranks."""
+    if x.shape[1] % tp:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the TP size {tp}")
+    return x.shape[1] // tp
+
+
+def _split_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    chunk = _seq_chunk(x, dist.get_world_size(group))
+    return x.narrow(1, dist.get_rank(group) * chunk, chunk).contiguous()
+
+
+def all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[b, s / tp, h] on each rank -> [b, s, h], rank r's part at positions r * s / tp onwards.
+
+    A plain function, not an autograd one: LinearWithGradReduce calls it inside its forward.
+    """
+    tp = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))  # [tp * b, s / tp, h], rank-major
+    dist.all_gather_single(out, x, group=group)
+    b, s_local = x.shape[:2]
+    # [tp, b, s / tp, h] -> [b, tp, s / tp, h] -> [b, s, h]
+    return out.view(tp, *x.shape).transpose(0, 1).reshape(b, tp * s_local, *x.shape[2:])
+
+
+def reduce_scatter_seq_start(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, dist.Work]:
+    """Start summing [b, s, h] over the group, keeping this rank's [b, s / tp, h] sequence slice.
+
+    Returns the output buffer and the pending work (wait on it before reading the buffer);
+    LinearWithGradReduce overlaps it with the weight-gradient matmul.
+    """
+    tp = dist.get_world_size(group)
+    b, s_local, rest = x.shape[0], _seq_chunk(x, tp), x.shape[2:]
+    # [b, s, h] -> [b, tp, s / tp, h] -> [tp, b, s / tp, h] -> [tp * b, s / tp, h], rank-major
+    parts = x.reshape(b, tp, s_local, *rest).transpose(0, 1).reshape(tp * b, s_local, *rest)
+    out = x.new_empty((b, s_local, *rest))
+    work = dist.reduce_scatter_single(out, parts, group=group, async_op=True)
+    return out, work
+
+
+def reduce_scatter_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum [b, s, h] over the group, keep this rank's [b, s / tp, h] sequence slice."""
+    out, work = reduce_scatter_seq_start(x, group)
+    work.wait()
+    return out
 
 
 class _Copy(torch.autograd.Function):
@@ -84,6 +140,58 @@ class _Gather(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _GatherSeqToTP(torch.autograd.Function):
+    """Sequence-parallel f: all-gather along the sequence forward; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Sequence-parallel g: reduce-scatter along the sequence forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Keep this rank's sequence slice forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence forward; keep this rank's gradient slice backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _split_seq(grad, ctx.group), None
+
+
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """f: enter a parallel region (identity forward, all-reduce backward)."""
     return x if _size(group) == 1 else _Copy.apply(x, group)
@@ -102,3 +210,26 @@ def scatter_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Concatenate every rank's last-dimension chunk (split backward)."""
     return x if _size(group) == 1 else _Gather.apply(x, group)
+
+
+def gather_seq_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Sequence-parallel f: enter a parallel region from sequence-split activations (all-gather
+    along the sequence forward; reduce-scatter of the partial input gradients backward)."""
+    return x if _size(group) == 1 else _GatherSeqToTP.apply(x, group)
+
+
+def reduce_scatter_seq_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Sequence-parallel g: leave a parallel region into sequence-split activations
+    (reduce-scatter along the sequence forward; all-gather backward)."""
+    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Split a replicated [b, s, h] along the sequence (all-gather backward): the embedding end."""
+    return x if _size(group) == 1 else _ScatterSeq.apply(x, group)
+
+
+def gather_seq(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Replicate sequence-split activations for replicated consumers: all-gather forward; backward
+    keeps this rank's slice of the gradient, which such consumers make whole on every rank."""
+    return x if _size(group) == 1 else _GatherSeq.apply(x, group)

@@ -1,15 +1,19 @@
-"""Process-group setup: one rank grid, sliced into tensor-parallel and data-parallel groups.
+"""Process-group setup: one rank grid, sliced into tensor-, pipeline- and data-parallel groups.
 
-The grid is ``arange(world).view(dp, tp)``. Rows are TP groups (adjacent ranks, so a TP group
-stays inside a node where NVLink is); columns are DP groups (strided). For 8 ranks at tp=2:
+The grid is ``arange(world).view(dp, pp, tp)``: TP innermost (adjacent ranks, so a TP group stays
+inside a node where NVLink is), pipeline stages next, DP outermost. For 8 ranks at tp=2, pp=2:
 
-    TP groups (rows):    [0 1] [2 3] [4 5] [6 7]
-    DP groups (columns): [0 2 4 6] [1 3 5 7]
+    grid[dp=0] = [[0 1]    stage 0        grid[dp=1] = [[4 5]    stage 0
+                  [2 3]]   stage 1                      [6 7]]   stage 1
 
-``rank // tp`` is the DP index and ``rank % tp`` the TP rank.
+    TP groups (same dp, pp):         [0 1] [2 3] [4 5] [6 7]
+    PP groups (same dp, tp):         [0 2] [1 3] [4 6] [5 7]
+    DP groups (same pp, tp):         [0 4] [1 5] [2 6] [3 7]
+    model-parallel (same dp):        [0 1 2 3] [4 5 6 7]     (the gradient norm's sum)
+    embedding (first + last stage):  [0 2] [1 3] [4 6] [5 7] (tied word-embedding gradients)
 
-``Heartbeat`` names the rank at fault when a collective fails: a dead peer makes gloo fail with
-an address, and a frozen one makes the collective time out after ``parallel.timeout_minutes``.
+``rank % tp`` is the TP rank, ``rank // tp % pp`` the stage and ``rank // (tp * pp)`` the DP
+index. Peer liveness (the heartbeat) is ``megatron.parallel.heartbeat``'s.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.errors import ConfigError
+from megatron.parallel.pipeline.p2p import PipelineGroup
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,46 @@ class ParallelState:
     dp_rank: int
     dp_group: dist.ProcessGroup
     device: torch.device
+    pp_size: int = 1
+    pp_rank: int = 0  # this process's pipeline stage
+    pp_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this pipeline's stages, in stage order
+    # TP x PP: the ranks that together hold one replica of the model (the gradient norm's sum).
+    mp_group: dist.ProcessGroup | None = None
+    # This pipeline's first and last stage (same TP rank): the tied word embedding's two copies.
+    # None on the other stages and without pipeline parallelism.
+    embedding_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
         """True on global rank 0, the one that prints and writes shared files."""
         return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the pipeline stage that holds the embeddings (every rank without PP)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the stage that holds the heads and computes the loss (every rank without PP)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pipeline(self) -> PipelineGroup:
+        """This process's pipeline, as the schedules and their p2p see it."""
+        return PipelineGroup.from_ranks(list(self.pp_ranks), self.pp_group, self.rank)
+
+    def layer_ranges(self, num_layers: int, chunks: int = 1) -> list[range]:
+        """The global indices of the transformer layers this stage holds, one range per chunk.
+
+        Chunk c of stage s is virtual stage ``c * pp + s`` of ``pp * chunks``, each holding
+        ``num_layers / (pp * chunks)`` consecutive layers: for 8 layers, pp=2 and 2 chunks,
+        stage 0 holds [0, 1] and [4, 5], stage 1 [2, 3] and [6, 7].
+        """
+        per_chunk = num_layers // (self.pp_size * chunks)
+        starts = [(c * self.pp_size + self.pp_rank) * per_chunk for c in range(chunks)]
+        return [range(start, start + per_chunk) for start in starts]
 
     @classmethod
     def serial(cls, device: torch.device) -> ParallelState:
@@ -55,14 +93,21 @@ class ParallelState:
         return cls(0, 1, 0, 1, 0, None, 1, 0, None, device)
 
 
-def rank_grid(world_size: int, tp_size: int) -> torch.Tensor:
-    """The ``[dp, tp]`` grid of global ranks; a world that tp does not divide is a user error."""
+def rank_grid(world_size: int, tp_size: int, pp_size: int = 1) -> torch.Tensor:
+    """The ``[dp, pp, tp]`` grid of global ranks; a world that tp * pp does not divide is a
+    user error."""
     if tp_size < 1 or world_size % tp_size:
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp_size} does not divide the world size {world_size}; "
             f"use a divisor of {world_size} or launch a multiple of {tp_size} processes"
         )
-    return torch.arange(world_size).view(world_size // tp_size, tp_size)
+    if pp_size < 1 or world_size % (tp_size * pp_size):
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp_size} x parallel.pipeline_parallel_size="
+            f"{pp_size} does not divide the world size {world_size}; launch a multiple of "
+            f"{tp_size * pp_size} processes"
+        )
+    return torch.arange(world_size).view(world_size // (tp_size * pp_size), pp_size, tp_size)
 
 
 def launcher_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -113,8 +158,8 @@ def first_slurm_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda ids: re.split(r"[-,]", ids.group(1))[0], first)
 
 
-def initialize(tp_size: int, timeout_minutes: float = 10.0) -> ParallelState:
-    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/DP groups.
+def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) -> ParallelState:
+    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/PP/DP groups.
 
     With no launcher this makes a world of one over an in-memory store, so the same code path
     (collectives on size-1 groups, barriers) runs everywhere.
@@ -122,7 +167,7 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0) -> ParallelState:
     env = launcher_env()
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
-    grid = rank_grid(world_size, tp_size)
+    grid = rank_grid(world_size, tp_size, pp_size)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -151,28 +196,41 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0) -> ParallelState:
 def build_state(
     grid: torch.Tensor, rank: int, local_rank: int, device: torch.device, timeout: timedelta
 ) -> ParallelState:
-    """Create every group from the grid; each rank must create all of them, in the same order."""
-    dp_size, tp_size = grid.shape
-    tp_group = dp_group = None
-    for row in grid.tolist():
-        group = dist.new_group(row, timeout=timeout)
-        if rank in row:
-            tp_group = group
-    for col in grid.t().tolist():
-        group = dist.new_group(col, timeout=timeout)
-        if rank in col:
-            dp_group = group
+    """Create every group from the ``[dp, pp, tp]`` grid; each rank must create all of them, in
+    the same order (torch requires it of ``new_group``)."""
+    dp_size, pp_size, tp_size = grid.shape
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    ranks: dict[str, list[int]] = {}
+    slicings = {
+        "tp": grid.reshape(-1, tp_size),  # rows: same (dp, pp)
+        "pp": grid.permute(0, 2, 1).reshape(-1, pp_size),  # same (dp, tp)
+        "dp": grid.permute(1, 2, 0).reshape(-1, dp_size),  # same (pp, tp)
+        "mp": grid.reshape(dp_size, -1),  # same dp
+    }
+    if pp_size > 1:
+        slicings["embedding"] = grid[:, [0, -1], :].permute(0, 2, 1).reshape(-1, 2)
+    for name, members in slicings.items():
+        for row in members.tolist():
+            group = dist.new_group(row, timeout=timeout)
+            if rank in row:
+                mine[name], ranks[name] = group, row
     return ParallelState(
         rank=rank,
         world_size=grid.numel(),
         local_rank=local_rank,
         tp_size=tp_size,
         tp_rank=rank % tp_size,
-        tp_group=tp_group,
+        tp_group=mine["tp"],
         dp_size=dp_size,
-        dp_rank=rank // tp_size,
-        dp_group=dp_group,
+        dp_rank=rank // (tp_size * pp_size),
+        dp_group=mine["dp"],
         device=device,
+        pp_size=pp_size,
+        pp_rank=rank // tp_size % pp_size,
+        pp_group=mine["pp"],
+        pp_ranks=tuple(ranks["pp"]),
+        mp_group=mine["mp"],
+        embedding_group=mine.get("embedding"),
     )
 
 
@@ -180,92 +238,3 @@ def shutdown() -> None:
     """Tear the process group down so the process exits without a warning."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-class Heartbeat:
-    """Each rank's pulse in the rendezvous store, so that a rank whose collective failed can name
-    the peer at fault.
-
-    A daemon thread adds 1 to ``beat/<rank>`` every ``interval_s``; it goes on while the main
-    thread waits inside a collective, so a rank that is merely blocked stays alive. A rank that
-    leaves first writes why to ``left/<rank>``. The store is the torchrun agent's (it outlives
-    every worker) or, without torchrun, the one rank 0 hosts. Each thread has its own client.
-    """
-
-    def __init__(self, rank: int, world_size: int, interval_s: float = 1.0):
-        env = launcher_env()
-        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        self.host, self.port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, args=(self._client(),), name="heartbeat", daemon=True
-        )
-        self._thread.start()
-
-    def _client(self) -> dist.Store:
-        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=10))
-        return dist.PrefixStore("megatron/heartbeat", store)
-
-    def _beat(self, store: dist.Store) -> None:
-        while not self._stop.is_set():
-            try:
-                store.add(f"beat/{self.rank}", 1)
-            except RuntimeError:
-                return  # the store's host is gone: the peers find that out for themselves
-            self._stop.wait(self.interval_s)
-
-    def lost_peers(self, beats: int = 5) -> tuple[list[str], list[str]]:
-        """(stopped, left): the peers that stopped beating (dead or frozen), and those that left,
-        each as "rank 3 stopped responding (...)" or "rank 2 left (why)".
-
-        Watches the counters for ``beats`` intervals, long enough for a live rank on a busy host
-        to beat at least once. An unreachable store means its host died: rank 0 without torchrun.
-        """
-        others = [r for r in range(self.world_size) if r != self.rank]
-        stopped, left = [], []
-        try:
-            store = self._client()
-            before = {r: store.add(f"beat/{r}", 0) for r in others}
-            time.sleep(beats * self.interval_s)
-            for r in others:
-                if store.check([f"left/{r}"]):
-                    left.append(f"rank {r} left ({store.get(f'left/{r}').decode()})")
-                elif store.add(f"beat/{r}", 0) == before[r]:
-                    silent = beats * self.interval_s
-                    stopped.append(f"rank {r} stopped responding (no heartbeat for {silent:.0f} s)")
-        except RuntimeError as err:
-            host = "the torchrun agent" if _agent_store() else "rank 0"
-            stopped.append(
-                f"{host} stopped responding (the rendezvous store it hosts at "
-                f"{self.host}:{self.port} does not answer: {str(err).splitlines()[0]})"
-            )
-        return stopped, left
-
-    def blame(self, err: Exception) -> str | None:
-        """The error to report if ``err`` (from a collective) comes from a dead or frozen peer;
-        None if every peer still beats or left on its own (then ``err`` speaks for itself).
-
-        For the failure path only: it takes a few seconds (``lost_peers``).
-        """
-        stopped, left = self.lost_peers()
-        if not stopped:
-            return None
-        first_line = str(err).splitlines()[0] if str(err) else ""
-        return (
-            f"lost a peer, exiting: {'; '.join(stopped + left)}. "
-            f"The failed operation: {type(err).__name__}: {first_line}"
-        )
-
-    def leave(self, reason: str) -> None:
-        """Tell the peers why this rank goes (so none reports it as dead), then stop beating."""
-        try:
-            self._client().set(f"left/{self.rank}", reason[:300])
-        except RuntimeError:
-            pass  # nobody is left to tell
-        self._stop.set()
-        self._thread.join()
-
-
-def _agent_store() -> bool:
-    """True under torchrun, whose agent hosts the store the workers rendezvous through."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -16,16 +16,26 @@
 #   MASTER_PORT       rendezvous port on the first host (default: 29500 + job id % 1000)
 #   LAUNCHER          torchrun (default) or srun: one task per GPU, see below
 #   REQUEUE=1         after the time-limit warning and a new checkpoint, requeue the job
-#   SHUTDOWN_TIMEOUT  seconds torchrun waits for its workers after SIGTERM (default 280)
+#   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other workers after one fails (default 280)
 #
 # Stopping in time. At the time limit SLURM sends SIGTERM and, KillWait (30 s by default) later,
-# SIGKILL: too late to save a large model. `#SBATCH --signal=B:USR1@300` sends SIGUSR1 to the
-# batch shell (this script) 300 s before the limit; it forwards SIGTERM to srun, srun to every
-# task, torchrun to its workers, and the training loop (training.exit_signal=SIGTERM, the
-# default) finishes the iteration, saves on every rank and exits 0. torchrun gives workers only
-# 30 s between SIGTERM and SIGKILL unless told otherwise: `--shutdown-timeout` raises that to
-# SHUTDOWN_TIMEOUT; keep it below the @300, and raise both if an iteration plus a save take
-# longer. A preemption by SLURM (SIGTERM to everything, then GraceTime) takes the same path.
+# SIGKILL: too late to save a large model, and srun turns a SIGTERM it receives into SIGKILL for
+# its tasks ("forcing job termination"), so nothing may signal srun. `#SBATCH
+# --signal=B:USR1@300` sends SIGUSR1 to the batch shell (this script) alone 300 s before the
+# limit; a SIGTERM to it (`scancel --batch --signal=TERM`) is taken the same way. The script
+# then sends training.exit_signal (SIGTERM by default) to the job step with `scancel
+# --signal=... JOB.STEP`, which signals every process of the step on every node: the workers
+# finish the iteration, save on every rank and exit 0. Under torchrun the launcher itself
+# ignores that signal (the step starts it with the signal ignored and leaves it out of
+# --signals-to-handle): were it to catch it, it would exit 1 with a SignalException after its
+# workers had saved. So the step's exit status is the workers' own, with either launcher. A
+# preemption (SLURM sends SIGTERM to the job's steps, then GraceTime) takes the same path
+# without this script: the workers save and exit 0, and SLURM requeues the job as its
+# PreemptMode says. An iteration plus a save must fit in the @300 (or GraceTime).
+#
+# After a stop the script exits with the step's status: 0 when every worker exited 0. With
+# REQUEUE=1 it requeues the job after the SIGUSR1 warning if, besides, `latest` under
+# checkpoint.save moved after the signal (a checkpoint at the iteration the workers stopped at).
 #
 # Resume is automatic: the loop loads checkpoint.save when checkpoint.load is null, and when the
 # save directory already holds a checkpoint (a requeued or resubmitted job) this script adds
@@ -35,8 +45,8 @@
 # One task per GPU (no torchrun): LAUNCHER=srun sbatch --ntasks-per-node=8 ... runs
 # `srun python ENTRYPOINT` with GPUS_PER_NODE tasks per node; megatron/parallel/state.py takes
 # rank, world size and local rank from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, and
-# MASTER_ADDR/MASTER_PORT from this script. Signals then reach the Python processes directly,
-# without torchrun's shutdown timeout.
+# MASTER_ADDR/MASTER_PORT from this script. The stop signal then reaches the Python processes
+# with no launcher in between.
 #
 # NCCL and debugging (export before sbatch):
 #   NCCL_DEBUG=INFO (or WARN)        NCCL's version, topology, rings/trees
@@ -44,7 +54,8 @@
 #   NCCL_SOCKET_IFNAME=ib0           interface for NCCL's bootstrap and socket transport
 #   NCCL_IB_HCA=mlx5 / NCCL_IB_DISABLE=1   which InfiniBand adapters; 1 forces TCP (to bisect)
 #   NCCL_P2P_DISABLE=1               no NVLink/PCIe peer copies (to bisect intra-node hangs)
-#   TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_NCCL_TRACE_BUFFER_SIZE=2000   flight recorder on a hang
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_TRACE_BUFFER_SIZE,
+#   TORCH_NCCL_DEBUG_INFO_TEMP_FILE  set below (fail fast, flight recorder); yours take precedence
 #   TORCH_DISTRIBUTED_DEBUG=DETAIL   checks that every rank calls the same collectives
 #   TORCH_CPP_LOG_LEVEL=INFO LOGLEVEL=INFO   c10d store and torchrun rendezvous messages
 #   CUDA_LAUNCH_BLOCKING=1           synchronous kernels: the Python stack of a CUDA error
@@ -53,16 +64,37 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 
+# The pointer is replaced atomically on every save (new inode), so a changed stamp means a new
+# checkpoint was completed by every rank.
+SAVE_DIR=
+save_stamp() { [[ -n $SAVE_DIR ]] && stat -c '%i %Y' "$SAVE_DIR/latest" 2>/dev/null || true; }
+
 # Trapped from the start: an untrapped SIGUSR1 would kill this shell (its default action).
-STOPPED_BY=
-LAUNCH_PID=
+STOPPED_BY=    # the signal this script got
+STAMP_AT_STOP= # save_stamp when it came
+LAUNCH_PID=    # srun's pid, once started
+SIGNALLED=     # the job step that was sent EXIT_SIGNAL
 on_stop() {
+    if [[ -n $STOPPED_BY ]]; then return; fi
     STOPPED_BY=$1
-    echo "== $(date -Is) $1: every rank saves and exits (SIGTERM to the job step)"
-    if [[ -n $LAUNCH_PID ]]; then kill -TERM "$LAUNCH_PID" 2>/dev/null || true; fi
+    STAMP_AT_STOP=$(save_stamp)
+    echo "== $(date -Is) $1: every rank saves and exits"
+    if [[ -n $LAUNCH_PID ]]; then signal_step; fi
 }
-trap 'on_stop SIGUSR1' USR1
-trap 'on_stop SIGTERM' TERM
+TRAPPED=       # set by every trap, so that the wait it cut short is waited again
+trap 'TRAPPED=1; on_stop SIGUSR1' USR1
+trap 'TRAPPED=1; on_stop SIGTERM' TERM
+
+# EXIT_SIGNAL to every process of this script's job step (never a signal to srun, which would
+# SIGKILL the tasks); sets SIGNALLED, or leaves it empty while SLURM does not list the step yet.
+signal_step() {
+    local step
+    step=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j' |
+        awk -v name="$STEP_NAME" '$2 == name { id = $1 } END { print id }') || true
+    if [[ -z $step ]]; then return; fi
+    echo "== scancel --signal=$EXIT_SIGNAL $step"
+    if scancel --signal="$EXIT_SIGNAL" "$step"; then SIGNALLED=$step; fi
+}
 
 if (($# < 2)); then
     echo "usage: sbatch scripts/slurm/pretrain_{gpt,bert}.sbatch CONFIG.yaml [key=value ...]" >&2
@@ -87,25 +119,41 @@ export MASTER_ADDR MASTER_PORT
 # really runs alongside it (megatron/parallel/layers.py turns that overlap on only with this set).
 # srun passes the environment on to every task.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# A collective that fails or times out ends the process (1: abort the NCCL communicators, then
+# exit) so that srun's --kill-on-bad-exit ends the job instead of leaving it hung; on a timeout
+# every rank first dumps its flight recorder (its last 2000 collectives, with Python stacks) next
+# to the job's log in logs/ (node-local /tmp by default, gone with the job). Set any of them
+# before sbatch to override.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+TRACE_PREFIX=$PWD/logs/nccl_trace_${SLURM_JOB_ID}_rank_ # torch appends the rank
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TRACE_PREFIX}
+mkdir -p "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE%/*}"
 
 if [[ $LAUNCHER != torchrun && $LAUNCHER != srun ]]; then
     echo "LAUNCHER=$LAUNCHER is unknown; use torchrun or srun" >&2
     exit 2
 fi
-# The save directory, read with the run's own config loader (a config error stops here, before
-# any GPU work).
-SAVE_DIR=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
+# The save directory and the exit signal, read with the run's own config loader (a config error
+# stops here, before any GPU work): two lines, the first empty without checkpoint.save.
+RUN_INFO=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import sys
 
 from megatron.config_load import load_config
 from megatron.errors import ConfigError
 
 try:
-    print(load_config([sys.argv[1]], sys.argv[2:]).checkpoint.save or "")
+    cfg = load_config([sys.argv[1]], sys.argv[2:])
 except ConfigError as err:
     sys.exit(f"error: {err}")
+print(cfg.checkpoint.save or "", cfg.training.exit_signal, sep="\n")
 EOF
 )
+SAVE_DIR=${RUN_INFO%$'\n'*}
+EXIT_SIGNAL=${RUN_INFO##*$'\n'}
+# The name SLURM lists this script's job step under: unique among the steps of an allocation.
+STEP_NAME=${ENTRYPOINT##*/}-$$
 echo "== $(date -Is) job $SLURM_JOB_ID (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}:" \
     "$NNODES node(s) [$SLURM_JOB_NODELIST] x $GPUS_PER_NODE GPUs, launcher $LAUNCHER"
 echo "== $ENTRYPOINT --config $CONFIG ${OVERRIDES[*]}"
@@ -125,22 +173,23 @@ if [[ -n $SAVE_DIR && -e $SAVE_DIR/latest ]]; then
     echo "== resuming from $SAVE_DIR"
     OVERRIDES+=("checkpoint.load=$SAVE_DIR" "checkpoint.finetune=false")
 fi
-# The pointer is replaced atomically on every save (new inode), so a changed stamp means a new
-# checkpoint was completed by every rank.
-save_stamp() { [[ -n $SAVE_DIR ]] && stat -c '%i %Y' "$SAVE_DIR/latest" 2>/dev/null || true; }
-STAMP_BEFORE=$(save_stamp)
-
 TRAIN=("$ENTRYPOINT" --config "$CONFIG" "${OVERRIDES[@]}")
+SRUN=(srun --job-name="$STEP_NAME" --nodes="$NNODES" --kill-on-bad-exit=1)
 if [[ $LAUNCHER == torchrun ]]; then
-    CMD=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1)
+    # torchrun must leave EXIT_SIGNAL to its workers: started with it ignored (inherited across
+    # exec) and without it among the signals torchrun catches. Its workers install their own
+    # handler for it before any long setup.
+    HANDLED=$(echo SIGTERM,SIGINT,SIGHUP,SIGQUIT | tr , '\n' | grep -vx "$EXIT_SIGNAL" |
+        paste -sd,)
+    CMD=("${SRUN[@]}" --ntasks="$NNODES" --ntasks-per-node=1)
     if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then CMD+=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
-    CMD+=("$PYTHON" -m torch.distributed.run
+    CMD+=(bash -c "trap '' $EXIT_SIGNAL; exec \"\$@\"" "ignore-$EXIT_SIGNAL"
+        "$PYTHON" -m torch.distributed.run
         --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
-        --shutdown-timeout="$SHUTDOWN_TIMEOUT" "${TRAIN[@]}")
+        --signals-to-handle="$HANDLED" --shutdown-timeout="$SHUTDOWN_TIMEOUT" "${TRAIN[@]}")
 else
-    CMD=(srun --nodes="$NNODES" --ntasks="$((NNODES * GPUS_PER_NODE))"
-        --ntasks-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1)
+    CMD=("${SRUN[@]}" --ntasks="$((NNODES * GPUS_PER_NODE))" --ntasks-per-node="$GPUS_PER_NODE")
     if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then
         CMD+=(--cpus-per-task="$((SLURM_CPUS_ON_NODE / GPUS_PER_NODE))")
     fi
@@ -154,22 +203,38 @@ fi
 echo "== ${CMD[*]}"
 "${CMD[@]}" &
 LAUNCH_PID=$!
-# A signal between the fork and this line found no pid to forward to.
-if [[ -n $STOPPED_BY ]]; then kill -TERM "$LAUNCH_PID" 2>/dev/null || true; fi
 while :; do
+    # A signal that came before SLURM listed the step (or before LAUNCH_PID was set) is sent
+    # once it does; until then, look again every second.
+    if [[ -n $STOPPED_BY && -z $SIGNALLED ]]; then
+        signal_step
+        if [[ -z $SIGNALLED ]] && kill -0 "$LAUNCH_PID" 2>/dev/null; then
+            sleep 1
+            continue
+        fi
+    fi
+    TRAPPED=
     status=0
     wait "$LAUNCH_PID" || status=$?
-    # A trapped signal ends `wait` early (128 + n) while the step still runs: wait again.
-    if ((status > 128)) && kill -0 "$LAUNCH_PID" 2>/dev/null; then continue; fi
+    # A trapped signal ends `wait` early (128 + n): wait again, for srun's own status (bash
+    # keeps it for a child that ended meanwhile).
+    if ((status > 128)) && [[ -n $TRAPPED ]]; then continue; fi
     break
 done
 
 if [[ -z $STOPPED_BY ]]; then
     exit "$status"
 fi
-if [[ $(save_stamp) == "$STAMP_BEFORE" ]]; then
-    echo "== stopped (status $status) without a new checkpoint in '$SAVE_DIR'; not requeued"
-    exit "$((status ? status : 1))"
+# The workers' own outcome: srun's status is the highest of its tasks' (torchrun's is its
+# workers', since it never saw the signal).
+if ((status != 0)); then
+    echo "== stopped by $STOPPED_BY, but the job step failed (status $status); not requeued"
+    exit "$status"
+fi
+if [[ $(save_stamp) == "$STAMP_AT_STOP" ]]; then
+    echo "== every rank exited 0 after $STOPPED_BY with no checkpoint newer than the signal in" \
+        "'$SAVE_DIR' (the run had finished, or checkpoint.save is unset); not requeued"
+    exit 0
 fi
 # Only the early warning requeues: SIGTERM also comes from scancel, and a preempted job is
 # requeued by SLURM itself when its PreemptMode says so.

@@ -1,0 +1,389 @@
+"""Iteration time of PP=2 against PP=1 at equal global batch, and the measured pipeline bubble
+against (p - 1) / (m * v) plus communication, on CPU.
+
+The model is a stack of identical pre-LN TransformerLayers (hidden 256, seq 128, micro-batch 4,
+fp32, no dropout), so every stage costs the same: the first chunk reads its input activation
+from the micro-batch (no embedding) and the last ends in a mean-square loss (no LM head), both
+negligible next to a layer. One iteration is the step's m micro-batches forward and backward,
+then AdamW: PP=1 accumulates them on one process; PP=2 runs 1F1B (or interleaved 1F1B, v = 2)
+on two processes. Every process has one thread: PP=2 uses two cores where PP=1 uses one, so
+the ideal time ratio PP=2 / PP=1 is (1 + bubble) / 2.
+
+How the bubble is accounted (per step; the median over the timed steps is reported):
+
+    measured   ``bubble_fraction`` of the schedule's recorded events: the stages' idle time in
+               the step's span over their compute time
+    formula    (p - 1) / (m * v)
+    comm       what the transfers on the critical path add: the schedule's unit order replayed
+               (``replay_bubble``) with every forward (backward) at the median measured
+               duration, equal stages as the formula assumes, and ``transfer_ms`` before each
+               unit that receives from another stage, minus the formula (which the same replay
+               gives with free transfers). ``transfer_ms`` is half a ping-pong round trip of
+               one activation through the schedules' own ``exchange``. With two stages 1F1B
+               has m + 1 transfers on its critical path
+    expected   formula + comm
+    comm_observed  the same replay with each unit's exchange time read off the timeline
+               instead (its start minus the moment both its stage was free and its input was
+               produced; with the recorded durations these replay the timeline exactly). Much
+               more than comm means the stages wait in exchanges for more than their input's
+               transfer: host scheduling on a loaded machine, or a schedule that waits for a
+               tensor its next unit does not need
+    exchange_ms  the median of those exchange times
+    replayed   the replay with each unit's own recorded duration and ``transfer_ms``: what the
+               compute times (stage imbalance and host noise included) and the wire explain;
+               measured - replayed is time the schedule spends waiting beyond both
+
+Prints one JSON line. Note the machine's load with the result: on 2 shared cores a busy
+neighbour time-slices one stage and inflates the bubble.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_pipeline.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config import ModelConfig  # noqa: E402
+from megatron.models.transformer import TransformerLayer  # noqa: E402
+from megatron.parallel.pipeline import (  # noqa: E402
+    ActivationSpec,
+    Event,
+    PipelineGroup,
+    bubble_fraction,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+)
+from megatron.parallel.pipeline.p2p import exchange  # noqa: E402
+from megatron.parallel.random import RNGTracker  # noqa: E402
+from megatron.parallel.state import ParallelState  # noqa: E402
+from megatron.pipeline_timeline import ideal_bubble  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The benchmarked model and step: ``layers`` identical layers, ``micro_batches`` per step."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    seq: int = 128
+    micro_batch: int = 4
+    micro_batches: int = 4
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            num_layers=self.layers,
+            hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            ffn_hidden_size=4 * self.hidden,
+            seq_length=self.seq,
+            max_position_embeddings=self.seq,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+
+    @property
+    def activation(self) -> tuple[int, int, int]:
+        return (self.micro_batch, self.seq, self.hidden)  # [micro_batch, seq, hidden]
+
+
+class LayerChunk(nn.Module):
+    """A run of layers as the schedules call a chunk: ``chunk(hidden, batch)``. The pipeline's
+    first chunk reads its input from the micro-batch (an activation), its last returns the mean
+    square of its output as the loss."""
+
+    def __init__(self, layers: list[nn.Module], first: bool, last: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.first, self.last = first, last
+
+    def forward(self, hidden: Tensor | None, batch: Tensor) -> Tensor:
+        x = batch if self.first else hidden  # [b, s, h]
+        for layer in self.layers:
+            x = layer(x, None)  # causal attention
+        return x.square().mean() if self.last else x
+
+
+def build_layers(shape: Shape) -> list[nn.Module]:
+    """Every layer of the model, drawn in order from one seed (the same weights in any process)."""
+    cfg = shape.model_config()
+    state = ParallelState.serial(torch.device("cpu"))
+    tracker = RNGTracker(state.device)
+    tracker.seed(1234, 0)
+    return [TransformerLayer(cfg, state, tracker, i) for i in range(shape.layers)]
+
+
+def stage_chunks(shape: Shape, p: int, v: int, stage: int) -> list[LayerChunk]:
+    """Stage ``stage``'s v chunks: chunk c is virtual stage c * p + stage of p * v."""
+    layers = build_layers(shape)
+    per_chunk = shape.layers // (p * v)
+    chunks = []
+    for c in range(v):
+        j = c * p + stage
+        held = layers[j * per_chunk : (j + 1) * per_chunk]
+        chunks.append(LayerChunk(held, first=j == 0, last=j == p * v - 1))
+    return chunks
+
+
+def microbatches(shape: Shape, step: int) -> list[Tensor]:
+    """The step's input activations, the same on every process."""
+    g = torch.Generator().manual_seed(step)
+    return list(torch.randn((shape.micro_batches, *shape.activation), generator=g))
+
+
+def serial_step_times(shape: Shape, steps: int, warmup: int) -> list[float]:
+    """PP=1: seconds per iteration (m micro-batches accumulated, AdamW) in this process."""
+    model = LayerChunk(build_layers(shape), first=True, last=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    m = shape.micro_batches
+    times = []
+    for step in range(warmup + steps):
+        batches = microbatches(shape, step)
+        start = time.perf_counter()
+        for batch in batches:
+            (model(None, batch) / m).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times[warmup:]
+
+
+def transfer_seconds(pipe: PipelineGroup, spec: ActivationSpec, trips: int = 20) -> float:
+    """One activation's transfer between the two stages: the median of half a round trip,
+    each way one ``exchange`` as the schedules make it (stage 0 sends, stage 1 sends back)."""
+    x = torch.randn(spec.shape)
+    halves = []
+    for _ in range(trips + 2):  # the first two trips set up the connection's buffers
+        dist.barrier(group=pipe.group)
+        start = time.perf_counter()
+        if pipe.is_first:
+            exchange(pipe, spec, send_next=x)
+            exchange(pipe, spec, recv_next=True)
+        else:
+            x = exchange(pipe, spec, recv_prev=True)[0]
+            exchange(pipe, spec, send_prev=x)
+        halves.append((time.perf_counter() - start) / 2)
+    return statistics.median(halves[2:])
+
+
+def core_share(seconds: float = 0.3) -> float:
+    """The share of a core this process gets while computing (process CPU time over wall time
+    of a busy loop): near 1 where every stage has a core to itself, less where other processes
+    time-slice it, which stretches and shifts the stages' units and so distorts the bubble."""
+    x = torch.randn(128, 128)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        x = torch.tanh(x @ x)
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def pipeline_run(shape: Shape, schedules: tuple[int, ...], steps: int, warmup: int) -> dict:
+    """One process of PP=2 runs (gloo initialised here), one per v in ``schedules`` (1: 1F1B,
+    else interleaved): per timed step, this stage's events and its iteration seconds (from a
+    barrier to the end of its AdamW step), the measured transfer time and core share; keyed by v."""
+    dist.init_process_group("gloo")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    pipe = PipelineGroup.from_ranks(list(range(p)), None, rank)
+    spec = ActivationSpec(shape.activation, torch.float32, torch.device("cpu"))
+    transfer = transfer_seconds(pipe, spec)
+    dist.barrier()  # both stages compute at once, as in the steady state
+    share = core_share()
+    m = shape.micro_batches
+    runs = {}
+    for v in schedules:
+        chunks = stage_chunks(shape, p, v, rank)
+        params = [param for chunk in chunks for param in chunk.parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        events, times = [], []
+        for step in range(warmup + steps):
+            batches: Iterator[Tensor] = iter(microbatches(shape, step))
+            dist.barrier()  # both stages start the step together
+            start = time.perf_counter()
+            if v == 1:
+                result = one_f_one_b(chunks[0], batches, m, pipe, spec, lambda loss: loss / m)
+            else:
+                result = interleaved_one_f_one_b(
+                    chunks, batches, m, pipe, spec, lambda loss: loss / m
+                )
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+                events.append(result.events)
+        runs[v] = {"events": events, "times": times, "transfer": transfer, "core_share": share}
+    return runs
+
+
+def _input_of(event: Event, stage: int, p: int, virtual: int) -> tuple[str, int, int] | None:
+    """The unit whose output ``event`` receives from another stage, as (kind, virtual stage,
+    micro-batch); None where it reads the micro-batch or its own forward's loss.
+
+    Forward of virtual stage j (chunk c on stage s is j = c * p + s) needs the forward of j - 1
+    on the same micro-batch; backward of j the backward of j + 1."""
+    j = event.chunk * p + stage
+    source = j - 1 if event.kind == "F" else j + 1
+    return (event.kind, source, event.microbatch) if 0 <= source < virtual else None
+
+
+def _virtual_stages(events_per_stage: list[list[Event]]) -> int:
+    return len(events_per_stage) * (1 + max(e.chunk for s in events_per_stage for e in s))
+
+
+def replay_bubble(events_per_stage: list[list[Event]], delays: list[list[float]]) -> float:
+    """The bubble of the stages' recorded unit order, each unit taking its recorded duration
+    and starting ``delays[stage][i]`` seconds after both its stage is free and its input (see
+    ``_input_of``) is produced: as early as the order allows, plus its exchange."""
+    p, virtual = len(events_per_stage), _virtual_stages(events_per_stage)
+    end: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
+    free, done = [0.0] * p, [0] * p
+    while any(done[s] < len(events_per_stage[s]) for s in range(p)):
+        progressed = False
+        for s, events in enumerate(events_per_stage):
+            while done[s] < len(events):
+                e = events[done[s]]
+                source = _input_of(e, s, p, virtual)
+                if source is not None and source not in end:
+                    break  # its input is not there yet: let the other stages run
+                ready = max(free[s], 0.0 if source is None else end[source])
+                free[s] = ready + delays[s][done[s]] + e.end - e.start
+                end[e.kind, e.chunk * p + s, e.microbatch] = free[s]
+                done[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the recorded unit order deadlocks: not a pipeline schedule")
+    busy = sum(e.end - e.start for stage in events_per_stage for e in stage)
+    return (p * max(free) - busy) / busy
+
+
+def transfer_delays(events_per_stage: list[list[Event]], transfer: float) -> list[list[float]]:
+    """``transfer`` seconds before every unit that receives its input from another stage."""
+    p, virtual = len(events_per_stage), _virtual_stages(events_per_stage)
+    return [
+        [0.0 if _input_of(e, s, p, virtual) is None else transfer for e in events]
+        for s, events in enumerate(events_per_stage)
+    ]
+
+
+def observed_delays(events_per_stage: list[list[Event]]) -> list[list[float]]:
+    """Each unit's recorded start minus the moment both its stage was free (its previous unit
+    ended) and its input was produced: the time its stage spent in exchanges that the unit's
+    dependencies do not explain. Replaying with these reproduces the recorded timeline."""
+    p, virtual = len(events_per_stage), _virtual_stages(events_per_stage)
+    end = {
+        (e.kind, e.chunk * p + s, e.microbatch): e.end
+        for s, st in enumerate(events_per_stage)
+        for e in st
+    }
+    step_start = min(e.start for stage in events_per_stage for e in stage)
+    delays = []
+    for s, events in enumerate(events_per_stage):
+        previous_end, stage_delays = step_start, []
+        for e in events:
+            source = _input_of(e, s, p, virtual)
+            ready = previous_end if source is None else max(previous_end, end[source])
+            stage_delays.append(e.start - ready)
+            previous_end = e.end
+        delays.append(stage_delays)
+    return delays
+
+
+def uniform(events_per_stage: list[list[Event]]) -> list[list[Event]]:
+    """The same unit order with every forward (backward) at the median forward (backward)
+    duration over all stages: equal stage costs, as the formula assumes."""
+    median = {
+        kind: statistics.median(
+            e.end - e.start for stage in events_per_stage for e in stage if e.kind == kind
+        )
+        for kind in "FB"
+    }
+    return [
+        [Event(e.kind, e.chunk, e.microbatch, 0.0, median[e.kind]) for e in s]
+        for s in events_per_stage
+    ]
+
+
+def bubble_report(ranks: list[dict], m: int, v: int) -> dict:
+    """The bubble figures of one PP run (see the module docstring), medians over its steps."""
+    p = len(ranks)
+    transfer = statistics.median(r["transfer"] for r in ranks)
+    steps = [list(stages) for stages in zip(*(r["events"] for r in ranks))]
+    formula = ideal_bubble(p, v, m)
+
+    def median_over_steps(bubble: Callable[[list[list[Event]]], float]) -> float:
+        return statistics.median(bubble(step) for step in steps)
+
+    def unit_ms(kind: str) -> float:
+        units = [e for step in steps for stage in step for e in stage if e.kind == kind]
+        return 1e3 * statistics.median(e.end - e.start for e in units)
+
+    comm = median_over_steps(
+        lambda st: replay_bubble(uniform(st), transfer_delays(st, transfer)) - formula
+    )
+    observed = median_over_steps(
+        lambda st: replay_bubble(uniform(st), observed_delays(st)) - formula
+    )
+    return {
+        "measured": median_over_steps(bubble_fraction),
+        "formula": formula,
+        "comm": comm,
+        "expected": formula + comm,
+        "comm_observed": observed,
+        "replayed": median_over_steps(lambda st: replay_bubble(st, transfer_delays(st, transfer))),
+        "exchange_ms": 1e3
+        * statistics.median(d for step in steps for stage in observed_delays(step) for d in stage),
+        "transfer_ms": 1e3 * transfer,
+        "core_share": min(r["core_share"] for r in ranks),
+        "forward_ms": unit_ms("F"),
+        "backward_ms": unit_ms("B"),
+    }
+
+
+def iteration_seconds(ranks: list[dict]) -> float:
+    """The median over steps of the slowest stage's iteration time."""
+    return statistics.median(max(step) for step in zip(*(r["times"] for r in ranks)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed iterations per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shape = Shape()
+    load_before = os.getloadavg()
+
+    pp1 = statistics.median(serial_step_times(shape, args.steps, args.warmup))
+    result: dict = {"pp1_ms": round(1e3 * pp1, 1)}
+    names = {1: "pp2", 2: "pp2_interleaved"}
+    runs = run_distributed(pipeline_run, 2, shape, tuple(names), args.steps, args.warmup)
+    for v, name in names.items():
+        ranks = [run[v] for run in runs]
+        seconds = iteration_seconds(ranks)
+        bubble = bubble_report(ranks, shape.micro_batches, v)
+        result[f"{name}_ms"] = round(1e3 * seconds, 1)
+        result[f"{name}_over_pp1"] = round(seconds / pp1, 3)
+        result[f"{name}_ideal_over_pp1"] = round((1 + bubble["formula"]) / 2, 3)
+        result[f"{name}_bubble"] = {k: round(x, 4) for k, x in bubble.items()}
+    result["shape"] = asdict(shape)
+    result["threads_per_process"] = 1
+    result["loadavg_before"] = [round(x, 2) for x in load_before]
+    result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

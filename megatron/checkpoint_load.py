@@ -1,0 +1,253 @@
+"""Loading checkpoints: which one (the newest intact), and restoring every object from it.
+
+Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
+meta.json parses and whose files match their sha256 (each rank hashes a share) is used, with a
+warning for each one passed over. Tensors go through safetensors, the rest is JSON: nothing is
+ever unpickled. ``megatron.checkpointing`` re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron.checkpoint_reshard import (
+    check_files,
+    checkpoint_name,
+    missing_file,
+    open_safetensors,
+    pp_size_of,
+    read_meta,
+    read_state,
+    rng_file,
+)
+from megatron.checkpoint_rng import reseed, set_rng_state
+from megatron.checkpoint_stages import open_checkpoint
+from megatron.errors import ConfigError
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+
+logger = logging.getLogger("megatron.checkpointing")
+
+LATEST = "latest"
+_ITER = re.compile(r"iter_(\d+)")
+_T = TypeVar("_T")
+
+
+def iterations(save_dir: str) -> list[int]:
+    """Iterations of the published ``iter_*`` directories in ``save_dir``, ascending."""
+    found = [_ITER.fullmatch(n) for n in os.listdir(save_dir)]
+    return sorted(
+        int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(save_dir, m[0]))
+    )
+
+
+def find_latest(load_dir: str) -> int | None:
+    """The iteration ``load_dir/latest`` names; None when there is none (nothing saved yet)."""
+    path = os.path.join(load_dir, LATEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not text.strip().isdigit():
+        raise ConfigError(
+            f"{path} holds {text[:20]!r}, not an iteration; delete it to resume from the newest "
+            "complete iter_* directory"
+        )
+    return int(text)
+
+
+def candidates(load_dir: str) -> list[int]:
+    """Iterations to try, best first: ``latest``'s, then the older ``iter_*`` directories."""
+    if not os.path.isdir(load_dir):
+        raise ConfigError(
+            f"checkpoint.load: {load_dir} not found; fix the path, or unset checkpoint.load to "
+            "start from scratch"
+        )
+    latest, found = find_latest(load_dir), iterations(load_dir)[::-1]
+    if latest is not None:
+        return [latest] + [i for i in found if i < latest]
+    if not found:
+        raise ConfigError(
+            f"checkpoint.load: {load_dir} holds no checkpoint (no latest file, no iter_* "
+            "directory); point it at a save directory, or unset it to start from scratch"
+        )
+    return found
+
+
+def checkpoint_dir(load_dir: str, iteration: int) -> str:
+    """``iter_*`` of ``iteration``; if a save of the same iteration was killed between moving
+    the old copy aside and renaming the new one into place, the copy it set aside."""
+    path = os.path.join(load_dir, checkpoint_name(iteration))
+    aside = sorted(glob.glob(glob.escape(path) + ".old-*"))
+    return aside[-1] if aside and not os.path.isdir(path) else path
+
+
+def _any_rank(flag: bool, state: ParallelState) -> bool:
+    """True on every rank when ``flag`` is True on some rank (one tiny all-reduce)."""
+    if state.world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=state.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _broadcast_ints(values: list[int], state: ParallelState) -> list[int]:
+    """Rank 0's list of ints, on every rank."""
+    if state.world_size == 1:
+        return values
+    n = torch.tensor([len(values)], dtype=torch.int64, device=state.device)
+    dist.broadcast(n, src=0)
+    if not n.item():
+        return []
+    t = torch.tensor(values if state.rank == 0 else [0] * n.item(), device=state.device)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def _on_every_rank(state: ParallelState, what: str, fn: Callable[[], _T]) -> _T:
+    """``fn()``; if it raised on any rank, raise on every rank, so none waits in a collective."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # re-raised below, after every rank knows
+        result, error = None, e
+    if _any_rank(error is not None, state):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{what} failed on another rank; see that rank's error")
+    return result
+
+
+def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
+    """The newest intact checkpoint; every rank hashes a share of each candidate's files.
+
+    A missing file or an unreadable meta.json is seen alike by every rank, so when no candidate
+    is intact the error names the newest one's problem (a sha256 mismatch only its hasher saw
+    is in that rank's warning).
+    """
+    its = _broadcast_ints(candidates(load_dir), state)
+    if state.rank == 0 and find_latest(load_dir) is None:
+        logger.warning(
+            "%s has no latest file; trying its iter_* directories, newest first", load_dir
+        )
+    newest = None
+    for it in its:
+        path = checkpoint_dir(load_dir, it)
+        try:
+            meta = read_meta(path)
+            # Missing files every rank checks alike (reading nothing); the sha256s a share each.
+            alike = missing_file(path, meta)
+            share = sorted(meta["files"])[state.rank :: state.world_size]
+            problem = alike or check_files(path, meta, share)
+        except ConfigError as e:
+            meta, problem = None, str(e)
+            alike = problem
+        if problem and (alike is None or state.rank == 0):  # what all ranks found, one says
+            logger.warning("%s", problem)
+        if not _any_rank(problem is not None, state):
+            return path, meta
+        newest = newest or alike or "see the warnings above"
+        if state.rank == 0:
+            logger.warning("checkpoint %s is incomplete or corrupt; trying the previous one", path)
+    raise ConfigError(
+        f"checkpoint.load: no intact checkpoint in {load_dir} (the newest: {newest}); restore "
+        "one, or unset checkpoint.load to start from scratch"
+    )
+
+
+def _read_rng(
+    path: str, meta: dict[str, Any], state: ParallelState
+) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+    """This rank's saved RNG states; None when they belong to another world or device."""
+    here = (state.tp_size, state.pp_size, state.dp_size, state.device.type)
+    saved = (meta["tp_size"], pp_size_of(meta), meta["dp_size"], meta["device_type"])
+    if not meta["rng"] or saved != here:
+        return None
+    f = open_safetensors(os.path.join(path, rng_file(state.rank)))
+    return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _whole_model_keys(model: nn.Module, state: ParallelState) -> set[str]:
+    """The state-dict keys of every stage of this rank's pipeline (collective over its PP group
+    when PP > 1): what a checkpoint may hold, where one stage holds only part of it."""
+    keys = set(model.state_dict())
+    if state.pp_size == 1:
+        return keys
+    every: list[set[str] | None] = [None] * state.pp_size
+    dist.all_gather_object(every, keys, group=state.pp_group)
+    return set().union(*every)
+
+
+def load_checkpoint(
+    load_dir: str,
+    model: nn.Module,
+    optimizer: Any | None,
+    lr_schedule: Any | None,
+    tracker: RNGTracker | None,
+    state: ParallelState,
+    vocab_size: int,
+    finetune: bool = False,
+) -> dict[str, int] | None:
+    """Load the newest intact checkpoint of ``load_dir`` into the given objects (collective).
+
+    Returns the saved ``progress`` (with ``iteration``). ``finetune``: weights only, and None,
+    since nothing is resumed. A checkpoint saved at another TP or PP size is resharded on the
+    fly (megatron.checkpoint_stages); at another TP/PP/DP size or device the RNG states cannot
+    carry over and are reseeded from (seed, iteration) with a warning. Raises ConfigError naming
+    ``checkpoint.load`` when ``load_dir`` is missing or holds no intact checkpoint: a requested
+    resume never silently starts fresh.
+    """
+    path, meta = _select(load_dir, state)
+    model_keys = _whole_model_keys(model, state)
+
+    def read() -> tuple[dict, dict, tuple | None]:
+        if meta["vocab_size"] != vocab_size:
+            raise ConfigError(
+                f"{path} was saved for a vocabulary of {meta['vocab_size']} tokens, the tokenizer "
+                f"has {vocab_size}; use the tokenizer the checkpoint was trained with"
+            )
+        optimizer_state = None if finetune else optimizer
+        source = open_checkpoint(path, meta, optimizer_state is not None)
+        weights, entries = read_state(source, path, meta, model, optimizer_state, state, model_keys)
+        rng = None if finetune or tracker is None else _read_rng(path, meta, state)
+        return weights, entries, rng
+
+    weights, entries, rng = _on_every_rank(state, "checkpoint load", read)
+    model.load_state_dict(weights)
+    if finetune:
+        if optimizer is not None:
+            optimizer.reload_main_params()
+        if state.rank == 0:
+            logger.info("loaded the weights of %s", path)
+        return None
+    if optimizer is not None:
+        scaler = meta["grad_scaler"] or optimizer.scaler.state_dict()
+        optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
+    if lr_schedule is not None and meta["lr_schedule"] is not None:
+        lr_schedule.load_state_dict(meta["lr_schedule"])
+    if tracker is not None:
+        if rng is not None:
+            set_rng_state(*rng, tracker)
+        else:
+            if state.rank == 0:
+                logger.warning(
+                    "%s was saved at TP=%d x DP=%d x PP=%d on %s, this run is TP=%d x DP=%d x "
+                    "PP=%d on %s: RNG states cannot carry over; reseeding from (seed=%d, "
+                    "iteration=%d)",
+                    path, meta["tp_size"], meta["dp_size"], pp_size_of(meta), meta["device_type"],
+                    state.tp_size, state.dp_size, state.pp_size, state.device.type,
+                    meta["seed"], meta["iteration"],
+                )  # fmt: skip
+            tracker.seed(reseed(meta["seed"], meta["iteration"]), state.tp_rank)
+    if state.rank == 0:
+        logger.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
+    return {"iteration": meta["iteration"], **meta["progress"]}

@@ -1,0 +1,61 @@
+"""A checkpoint's tensors across its pipeline stages: any key, read from the stage that saved it.
+
+A stage's state dict uses the whole model's names (transformer layers keep their global index),
+so the stages of a checkpoint saved at PP = a hold disjoint parts of one key space, with one
+exception: the last stage's copy of the tied word table (``embedding.word.weight``, and its
+optimizer state), equal to the first stage's at every step. meta.json's ``stages`` lists the
+keys of each stage's files; a key is read from the first saved stage that holds it, so the tied
+copy is always loaded from the first stage's word embedding and the saved last-stage copy is
+never read. A rank of any PP size then asks for the keys its own stage holds, through the same
+TP-reshard path (``checkpoint_reshard.ShardedTensors``) as at PP = 1::
+
+    saved PP=2:  stage 0 {embedding.*, layers.0-1}      stage 1 {layers.2-3, final norm, word*}
+    load  PP=4:  stage 0 <- embedding.*, layers.0 from saved stage 0; ...; stage 3 <- layers.3,
+                 final norm from saved stage 1, word* (the tied copy) from saved stage 0
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import Tensor
+
+from megatron.checkpoint_optim_shards import optim_shards
+from megatron.checkpoint_reshard import ShardedTensors, pp_size_of, stage_files
+
+
+def stage_keys(meta: dict[str, Any]) -> list[list[str]]:
+    """The keys of each saved stage's tensor files (one stage, all of ``tensors``, before PP)."""
+    return meta.get("stages") or [list(meta["tensors"])]
+
+
+class StagedTensors:
+    """Every saved stage's ``ShardedTensors``, read by key: ``read`` goes to the key's holder."""
+
+    def __init__(self, stages: list[ShardedTensors]):
+        self.stages = stages
+        self.holder: dict[str, int] = {}
+        self.layout: dict[str, dict[str, Any]] = {}
+        for p, stage in enumerate(stages):  # in saved order; the first stage holding a key wins
+            for key, info in stage.layout.items():
+                if key not in self.holder:
+                    self.holder[key], self.layout[key] = p, info
+
+    def read(self, key: str, tp_size: int, tp_rank: int, padded_rows: int | None) -> Tensor:
+        """Tensor ``key`` as rank ``tp_rank`` of ``tp_size`` holds it (``ShardedTensors.read``)."""
+        return self.stages[self.holder[key]].read(key, tp_size, tp_rank, padded_rows)
+
+
+def open_checkpoint(ckpt_dir: str, meta: dict[str, Any], with_optim: bool) -> StagedTensors:
+    """The tensors of checkpoint ``ckpt_dir``; ``with_optim``: a distributed-optimizer
+    checkpoint's ``optim/`` keys too, rebuilt from its shard files (a plain checkpoint's TP files
+    hold them already). Opens nothing yet: files are opened at their first read."""
+    stages = []
+    for p, keys in zip(range(pp_size_of(meta)), stage_keys(meta)):
+        shards = optim_shards(ckpt_dir, meta, p) if with_optim else None
+        layout = {k: meta["tensors"][k] for k in keys}
+        layout.update(shards.layout if shards is not None else {})
+        paths = [os.path.join(ckpt_dir, name) for name in stage_files(meta, p)]
+        stages.append(ShardedTensors(paths, layout, meta["vocab_size"], shards))
+    return StagedTensors(stages)

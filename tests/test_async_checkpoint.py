@@ -1,0 +1,79 @@
+"""Background saves in a real world of two (gloo): what they write, and how their errors surface.
+
+Bit-exact losses and resume with checkpoint.async_save run through the entrypoint in
+tests/test_resume.py; kills of the writer thread in tests/test_checkpoint_kill.py.
+"""
+
+import os
+
+import pytest
+
+from megatron import checkpointing
+from megatron.async_checkpoint import Checkpointer
+from megatron.checkpointing import find_latest, load_checkpoint
+from megatron.parallel.state import initialize
+from tests.distributed import run_distributed
+from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
+
+
+def _save_then_fail(cfg, save_dir):
+    st = initialize(1)  # TP=1 x DP=2
+    model, optimizer, schedule, tracker = build(cfg, st)
+    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    lines = []
+    saves = Checkpointer(True, lines.append)
+    train(model, optimizer, schedule, 1, seed=1)
+    saved = snapshot(model)
+    saves.save(save_dir, 1, *args)
+    train(model, optimizer, schedule, 1, seed=2)  # while iteration 1 is being written
+    saves.wait()
+    probe = build(cfg, st, seed=5)
+    load_checkpoint(save_dir, *probe, st, VOCAB)
+    loaded_ok = same(snapshot(probe[0]), saved)
+
+    real_write = checkpointing.write_durable
+    if st.rank == 1:  # this rank's disk is full for saves 2 and 3, in the background thread
+
+        def full(path, data):
+            raise OSError(28, "No space left on device", path)
+
+        checkpointing.write_durable = full
+    errors = []
+    for it, surface in ((2, saves.wait), (3, lambda: saves.save(save_dir, 4, *args))):
+        saves.save(save_dir, it, *args)
+        try:
+            surface()
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        errors.append(find_latest(save_dir))
+    checkpointing.write_durable = real_write
+    saves.save(save_dir, 5, *args)
+    saves.wait()
+    return lines, loaded_ok, errors, find_latest(save_dir), sorted(os.listdir(save_dir))
+
+
+@pytest.mark.slow
+def test_a_background_error_surfaces_on_every_rank_and_latest_stays(tmp_path):
+    """Save 1 in the background while training goes on: it holds the weights of the save and
+    records its timings. Saves 2 and 3 fail on rank 1's disk: each error is raised on both ranks
+    (rank 1's own, rank 0 a RuntimeError naming rank 1) by the next wait or the next save, and
+    ``latest`` stays at 1. Save 5 goes through and clears what the failed ones left."""
+    cfg = tiny_config(tmp_path, "checkpoint.async_save=true")  # keep_last: 2
+    save_dir = str(tmp_path / "ckpt")
+    for rank, (lines, loaded_ok, errors, latest, listing) in enumerate(
+        run_distributed(_save_then_fail, 2, cfg, save_dir)
+    ):
+        assert loaded_ok
+        assert errors[1] == errors[3] == 1  # latest still names the last complete checkpoint
+        for it, error in ((2, errors[0]), (3, errors[2])):
+            if rank == 0:
+                assert error == (
+                    f"RuntimeError: checkpoint save of iteration {it} failed on rank 1: "
+                    "OSError(28, 'No space left on device')"
+                )
+            else:
+                assert error.startswith("OSError: [Errno 28] No space left on device: ")
+        assert latest == 5 and listing == ["iter_0000001", "iter_0000005", "latest"]
+        if rank == 0:  # the metrics are rank 0's: one line per completed save
+            assert [line["iteration"] for line in lines] == [1, 5]
+            assert all(0 < e["save_blocking_ms"] <= e["save_total_ms"] for e in lines)
