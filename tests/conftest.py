@@ -54,3 +54,39 @@ def wide_gpt(tmp_path_factory, gpt_data):
     }
     run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", tiny_overrides(gpt_data, run, **extra))
     return {**gpt_data, "ckpt": str(run / "ckpt")}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """The fake SLURM of tests/fake_slurm.py: (environment of a 2-node job with 4 GPUs per node,
+    the stubs' log directory)."""
+    from tests.fake_slurm import STUBS
+
+    stubs, log = tmp_path / "bin", tmp_path / "log"
+    stubs.mkdir()
+    log.mkdir()
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "TORCH_NCCL_"))}  # fmt: skip
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "REQUEUE", "LAUNCHER", "ENTRYPOINT"):
+        env.pop(key, None)
+    env.update(
+        PATH=f"{stubs}:{env['PATH']}",
+        STUB_LOG=str(log),
+        STUB_HOSTS="node07 node08",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="pretrain-gpt",
+        SLURM_JOB_NODELIST="node[07-08]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_CPUS_ON_NODE="32",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        OMP_NUM_THREADS="1",
+        # The default lies under the repository's logs/; a user's value is kept.
+        TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(tmp_path / "nccl" / "trace_"),
+    )
+    return env, log

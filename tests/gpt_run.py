@@ -113,6 +113,22 @@ def run_pretrain(
     return proc
 
 
+def start_torchrun(
+    script: str, config: str, args: list[str], out: Path, logs: Path | None = None
+) -> subprocess.Popen:
+    """``torchrun --standalone`` of 2 workers on ``script``, in the background, stdout and stderr
+    into ``out``; with ``logs``, no restarts and each worker's output in its own file there."""
+    flags = ["--max-restarts", "0", "--log-dir", str(logs), "--redirects", "3"] if logs else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.Popen(
+        [*cmd, *flags, script, "--config", config, *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
 def read_metrics(path: Path) -> list[dict]:
     """Training lines of a metrics file (evaluation lines carry no lm_loss)."""
     lines = [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.distributed import free_port
-from tests.gpt_run import ROOT, tiny_overrides
+from tests.gpt_run import ROOT, start_torchrun, tiny_overrides
 from tests.test_preemption import wait_for_iterations, worker_pids
 
 CONFIG = "configs/gpt_tiny.yaml"
@@ -147,27 +147,8 @@ def test_under_torchrun_the_survivor_names_the_dead_rank(gpt_data, tmp_path):
     """torchrun's agent hosts the store, so rank 0 can die too. torchrun then stops the job
     (``--max-restarts 0``); the survivor's own log says which rank was lost."""
     logs = tmp_path / "logs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        "--log-dir",
-        str(logs),
-        "--redirects",
-        "3",
-        "pretrain_gpt.py",
-        "--config",
-        CONFIG,
-        *overrides(gpt_data, tmp_path),
-    ]
     out = tmp_path / "torchrun.out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out.open("w"), stderr=subprocess.STDOUT)
+    proc = start_torchrun("pretrain_gpt.py", CONFIG, overrides(gpt_data, tmp_path), out, logs)
     try:
         wait_for_loop(tmp_path / "metrics.jsonl", proc)
         os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)

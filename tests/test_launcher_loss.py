@@ -13,7 +13,7 @@ import time
 import pytest
 
 from megatron.run_lock import LOCK_NAME
-from tests.gpt_run import ROOT, tiny_overrides
+from tests.gpt_run import ROOT, start_torchrun, tiny_overrides
 from tests.test_preemption import wait_for_iterations, worker_pids
 
 CONFIG = "configs/gpt_tiny.yaml"
@@ -43,27 +43,8 @@ def test_a_second_run_is_refused_and_killed_torchrun_workers_stop(gpt_data, tmp_
         "training.eval_iters": 0,
         "checkpoint.save": ckpt,
     })  # fmt: skip
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        "--log-dir",
-        str(logs),
-        "--redirects",
-        "3",
-        "pretrain_gpt.py",
-        "--config",
-        CONFIG,
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "torchrun.out"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out.open("w"), stderr=subprocess.STDOUT)
+    proc = start_torchrun("pretrain_gpt.py", CONFIG, args, out, logs)
     workers = {}
     try:
         wait_for_iterations(tmp_path / "metrics.jsonl", 2, proc)
@@ -71,7 +52,7 @@ def test_a_second_run_is_refused_and_killed_torchrun_workers_stop(gpt_data, tmp_
         second = subprocess.run(
             [sys.executable, "pretrain_gpt.py", "--config", CONFIG, *args],
             cwd=ROOT,
-            env=env,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
             capture_output=True,
             text=True,
             timeout=180,

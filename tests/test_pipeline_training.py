@@ -20,8 +20,6 @@ import dataclasses
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -34,7 +32,7 @@ from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 from tests.distributed import free_port, run_distributed
-from tests.gpt_run import ROOT, read_metrics, tiny_overrides
+from tests.gpt_run import read_metrics, start_torchrun, tiny_overrides
 from tests.model_config import tiny_model_config
 from tests.test_hang import launch_ranks
 from tests.test_preemption import wait_for_iterations, worker_pids
@@ -241,16 +239,9 @@ def test_sigterm_to_the_last_stage_stops_every_stage_saves_and_exits_0(gpt_data,
     """torchrun, PP=2; SIGTERM to the last stage's worker alone: its flag rides in the step's
     world all-reduce, so the first stage stops at the same iteration, both stages save it (one
     file each, checksums intact) and the job exits 0."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     log, ckpt = tmp_path / "torchrun.out", tmp_path / "ckpt"
     args = _endless(gpt_data, tmp_path, **{"checkpoint.save": ckpt})
-    proc = subprocess.Popen(
-        [*launcher, "--nproc-per-node", "2", "pretrain_gpt.py", "--config", GPT[1], *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_torchrun("pretrain_gpt.py", GPT[1], args, log)
     try:
         wait_for_iterations(tmp_path / "metrics.jsonl", 2, proc)
         os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)

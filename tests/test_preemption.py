@@ -4,7 +4,6 @@ iteration and the job exits 0; a signal that comes during an evaluation or a sav
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from megatron.checkpointing import find_latest
 from megatron.config import TrainingConfig
 from megatron.preemption import ExitPolicy, ExitSignal
 from tests.distributed import run_distributed
-from tests.gpt_run import ROOT, read_metrics, tiny_overrides
+from tests.gpt_run import read_metrics, start_torchrun, tiny_overrides
 
 CONFIG = "configs/gpt_tiny.yaml"
 
@@ -85,15 +84,8 @@ def test_sigterm_to_one_worker_saves_the_current_iteration_and_exits_0(gpt_data,
         "checkpoint.save": ckpt,
         "checkpoint.save_interval": None,
     })  # fmt: skip
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     log = tmp_path / "torchrun.out"
-    proc = subprocess.Popen(
-        [*launcher, "--nproc-per-node", "2", "pretrain_gpt.py", "--config", CONFIG, *overrides],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_torchrun("pretrain_gpt.py", CONFIG, overrides, log)
     try:
         wait_for_iterations(tmp_path / "metrics.jsonl", 2, proc)
         os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
