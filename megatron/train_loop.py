@@ -119,7 +119,8 @@ class TrainLoop:
         self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
         # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
         # slice of the sequence only; one all-reduce over TP sums them before clipping.
-        allreduce_sequence_parallel_grads(self.model, self.state.tp_group)
+        if self.cfg.parallel.sequence_parallel:  # else no parameter is flagged: skip the scan
+            allreduce_sequence_parallel_grads(self.model, self.state.tp_group)
         means = {k: v / self.num_micro for k, v in sums.items()}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
