@@ -5,8 +5,9 @@ communication; a timing bar belongs there, not in a unit test. What is checked h
 host: the schedule's unit order replayed with free transfers gives exactly the formula (and, for
 two stages, 1F1B's m + 1 transfers on the critical path); on a real two-process run, compute plus
 the exchanges observed in the recorded timeline replay that timeline's bubble exactly, so the
-benchmark's split of the bubble into schedule, communication and host noise is complete; and the
-interleaved schedule starts a forward that needs no input without waiting for a gradient.
+benchmark's split of the bubble into schedule, communication and host noise is complete; and in
+the interleaved schedule no unit waits for more than its input (a forward that needs none waits
+for no gradient, and no forward waits for its sender's next backward).
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ class SleepChunk(nn.Module):
 
 
 def sleeping_interleaved_run(m: int) -> list[Event]:
-    """One interleaved step (p = 2, v = 2) of sleeping chunks; this stage's events."""
+    """One interleaved step (v = 2, a stage per process) of sleeping chunks; this stage's
+    events."""
     dist.init_process_group("gloo")
-    pipe = PipelineGroup.from_ranks([0, 1], None, dist.get_rank())
+    pipe = PipelineGroup.from_ranks(list(range(dist.get_world_size())), None, dist.get_rank())
     spec = ActivationSpec((1, 1, 4), torch.float32, torch.device("cpu"))
     chunks = [SleepChunk(pipe.is_last and c == 1) for c in range(2)]
     dist.barrier()
@@ -134,3 +136,20 @@ def test_interleaved_forward_needing_no_input_does_not_wait_for_a_gradient():
     f02 = units["F", 0, 2]
     assert f02.start - warmup_end < SLEEP_FORWARD_S / 2, (f02, warmup_end)
     assert f02.start < first_backward_end, (f02, first_backward_end)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_interleaved_units_wait_for_their_inputs_only(p, m):
+    """Every unit starts as soon as its stage is free and its input exists (plus a transfer):
+    a stage sends a forward's output before running its backward, so no forward waits for the
+    sender's backward too, as it would where the pair shared one exchange (stage 0's F1.2
+    waited for stage 1's B0.0 at p = 2, m = 4)."""
+    stages = run_distributed(sleeping_interleaved_run, p, m)
+    late = [
+        (stage, e.kind, e.chunk, e.microbatch, round(wait, 3))
+        for stage, (events, waits) in enumerate(zip(stages, observed_delays(stages)))
+        for e, wait in zip(events, waits)
+        if wait > SLEEP_FORWARD_S / 2
+    ]
+    assert not late, late

@@ -11,7 +11,7 @@ unit k is micro-batch ``(k // (p * v)) * p + k % p`` on chunk ``(k % (p * v)) //
 unit k is the same micro-batch on the chunks in reverse order. On stage s of p:
 
     warm-up    min((p - s - 1) * 2 + (v - 1) * p, m * v) forward units (all of them if m == p)
-    steady     one forward unit, then one backward unit, each pair sharing one exchange
+    steady     one forward unit, then one backward unit, each followed by its own exchange
     cool-down  the remaining backward units
 
 In flight (as ``schedules``): stage s holds at most one more micro-batch chunk than its warm-up
@@ -19,13 +19,18 @@ count, m * v at most. The receive decisions follow Megatron-LM's interleaved sch
 that cross the ring's seam assume the ideal clock in which stage s runs its forward unit k at
 tick k + s and its backward unit k at tick k + p - 1 - s.
 
+Each steady tick posts two exchanges on every stage: the forward's (its output on, the next
+input in), then the backward's (its input gradient back, the next gradient in). Both ends of
+every link therefore post their transfers in the same order, which is the order NCCL matches by.
+
 Waits are deferred (as Megatron-LM's overlap_p2p_comm): an exchange is started, not waited on;
 a received activation is waited for just before the forward that reads it, a gradient just
-before its backward, and sends two exchanges later or at the end of the schedule (the exchange
-holds each sent tensor until then). Waiting for everything at each exchange would stall a stage
-on the next gradient, or on its neighbour's receive, although its next forward is ready. Every
-rank still posts the same exchanges in the same order, so matching is unchanged, and each wait
-comes no earlier than the blocking schedule's, so no new deadlock can arise.
+before its backward, and sends two exchanges later (the same kind's exchange of the next tick)
+or at the end of the schedule (the exchange holds each sent tensor until then). Waiting for
+everything at each exchange would stall a stage on the next gradient, or on its neighbour's
+receive, although its next forward is ready. A stage waits only for a tensor its next unit
+reads, which its neighbour produces earlier in the schedule's dependency order, or for sends its
+neighbour posted the receives of a tick before, so no deadlock can arise.
 """
 
 from __future__ import annotations
@@ -137,9 +142,9 @@ class _Interleaved:
         """Start one exchange: send what is given, and receive the next input of
         ``input_chunk`` and the next output gradient of ``grad_chunk`` where given.
 
-        Sends of the exchange before last are waited on first, so a stage holds the tensors of
-        two exchanges' sends at most; by then their receivers have long posted (the blocking
-        schedule waited for them one exchange after posting), so this rarely blocks.
+        Sends of the exchange before last (in the steady state, the same kind's exchange a tick
+        earlier) are waited on first, so a stage holds the tensors of two exchanges' sends at
+        most; by then their receivers have long posted, so this rarely blocks.
         """
         if len(self.exchanges) >= SEND_LAG:
             self.exchanges[-SEND_LAG].wait_sends()
@@ -190,11 +195,14 @@ class _Interleaved:
         if forward_only:
             return self.finish()
 
-        # Steady state: forward unit warmup + i, backward unit i, one exchange for both.
+        # Steady state: forward unit warmup + i, then backward unit i, each followed by its own
+        # exchange. Sending the forward's output before the backward runs is what lets the next
+        # stage start its forward a backward's time sooner (Megatron-LM's overlap_p2p_comm):
+        # with one exchange per pair, a stage whose next input crosses the seam waits for the
+        # sender's backward as well as its forward.
         for i in range(steady):
             k_forward = warmup + i
             output = self.forward(k_forward, keep=True)
-            input_grad = self.backward(i)
             if pipe.is_first:
                 # What arrives comes from the last stage, whose forward unit at this tick is
                 # k_forward - (p - 1); its last chunk's output is the loss, not sent.
@@ -203,6 +211,9 @@ class _Interleaved:
             else:
                 recv_prev, next_chunk = True, self.chunk_of(k_forward + 1, forward=True)
             recv_prev = recv_prev and i < steady - 1  # the last forward unit has run
+            self.start(send_next=output, input_chunk=next_chunk if recv_prev else None)
+
+            input_grad = self.backward(i)
             if pipe.is_last:
                 # Gradients come from stage 0, whose backward unit at this tick is i - (p - 1);
                 # its first chunk has no input, so sends none.
@@ -210,12 +221,7 @@ class _Interleaved:
                 recv_next, grad_chunk = sender_chunk != 0, sender_chunk - 1
             else:
                 recv_next, grad_chunk = True, self.chunk_of(i + 1, forward=False)
-            self.start(
-                send_next=output,
-                send_prev=input_grad,
-                input_chunk=next_chunk if recv_prev else None,
-                grad_chunk=grad_chunk if recv_next else None,
-            )
+            self.start(send_prev=input_grad, grad_chunk=grad_chunk if recv_next else None)
 
         # Cool-down: the remaining backward units, each receiving the next unit's gradient
         # (none for the last stage's last chunk, whose gradient starts from the loss).
