@@ -9,6 +9,13 @@ then AdamW: PP=1 accumulates them on one process; PP=2 runs 1F1B (or interleaved
 on two processes. Every process has one thread: PP=2 uses two cores where PP=1 uses one, so
 the ideal time ratio PP=2 / PP=1 is (1 + bubble) / 2.
 
+Each schedule runs twice: with the real layers, and with ``FixedCostChunk`` stand-ins that
+sleep for the real chunk's median unit times. The second is the run with equal stage costs
+that the formula describes: on a shared 2-core host real units vary by 5-15 %, and each steady
+tick waits for the slower stage, while the communication threads, with no core of their own,
+can wait a scheduler tick for one. The ``checks`` judge the fixed-cost runs; the real-layer
+figures show what the host adds.
+
 How the bubble is accounted (per step; the median over the timed steps is reported):
 
     measured   ``bubble_fraction`` of the schedule's recorded events: the stages' idle time in
@@ -16,12 +23,14 @@ How the bubble is accounted (per step; the median over the timed steps is report
     formula    (p - 1) / (m * v)
     comm       what the transfers on the critical path add: the schedule's unit order replayed
                (``replay_bubble``) with every forward (backward) at the median measured
-               duration, equal stages as the formula assumes, and ``transfer_ms`` before each
-               unit that receives from another stage, minus the formula (which the same replay
-               gives with free transfers). ``transfer_ms`` is half a ping-pong round trip of
-               one activation through the schedules' own ``exchange``. With two stages 1F1B
-               has m + 1 transfers on its critical path
-    expected   formula + comm
+               duration, equal stages as the formula assumes, and ``transfer_ms`` for each
+               crossing (``transfer_delays``: after a unit that sent its result, and between a
+               unit and the unit on another stage that reads it), minus the formula (which
+               the same replay gives with free transfers). ``transfer_ms`` is what one steady
+               exchange costs, measured apart from the schedules: both stages post an
+               activation to each other at once and wait for the other's. With two stages
+               1F1B has m + 1 crossings on its critical path
+    expected   formula + comm; ``over_expected`` is measured / expected - 1
     comm_observed  the same replay with each unit's exchange time read off the timeline
                instead (its start minus the moment both its stage was free and its input was
                produced; with the recorded durations these replay the timeline exactly). Much
@@ -66,7 +75,7 @@ from megatron.parallel.pipeline import (  # noqa: E402
     interleaved_one_f_one_b,
     one_f_one_b,
 )
-from megatron.parallel.pipeline.p2p import exchange  # noqa: E402
+from megatron.parallel.pipeline.p2p import start_exchange  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import ParallelState  # noqa: E402
 from megatron.pipeline_timeline import ideal_bubble  # noqa: E402
@@ -139,6 +148,64 @@ def stage_chunks(shape: Shape, p: int, v: int, stage: int) -> list[LayerChunk]:
     return chunks
 
 
+class _Hold(torch.autograd.Function):
+    """Identity whose forward and backward each hold the calling thread for a fixed time,
+    sleeping: the core stays free for the communication threads."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, forward_s: float, backward_s: float) -> Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class FixedCostChunk(nn.Module):
+    """A stand-in for a chunk of layers whose every forward and backward take the same fixed
+    time on every stage, as the formula assumes: it sleeps for the real chunk's measured unit
+    times and passes its input on (through a scalar weight, so the chunk has a gradient).
+
+    Real layers on this host vary by 5-15 % per unit, which lengthens the critical path (each
+    steady tick waits for the slower stage), and leave the communication threads no core of
+    their own, so a transfer can wait a scheduler tick (3-8 ms) for one. Sleeping units remove
+    both, as a GPU does the second (transfers run on their own engine), and leave the schedule
+    and the transfers themselves."""
+
+    def __init__(self, first: bool, last: bool, forward_s: float, backward_s: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.first, self.last = first, last
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, hidden: Tensor | None, batch: Tensor) -> Tensor:
+        x = (batch if self.first else hidden) * self.weight
+        x = _Hold.apply(x, self.forward_s, self.backward_s)
+        return x.square().mean() if self.last else x
+
+
+def unit_budgets(chunks: list[LayerChunk], shape: Shape, trials: int = 6) -> tuple[float, float]:
+    """Forward and backward times for ``FixedCostChunk``: the slowest stage's median unit
+    (all-reduced over the pipeline, so every stage gets the same)."""
+    forwards, backwards = [], []
+    for trial in range(trials + 2):  # two untimed first: allocation and caches
+        for chunk in chunks:
+            x = torch.randn(shape.activation, requires_grad=True)
+            start = time.perf_counter()
+            y = chunk(x, x)
+            middle = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            if trial >= 2:
+                forwards.append(middle - start)
+                backwards.append(time.perf_counter() - middle)
+    medians = torch.tensor([statistics.median(forwards), statistics.median(backwards)])
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return float(medians[0]), float(medians[1])
+
+
 def microbatches(shape: Shape, step: int) -> list[Tensor]:
     """The step's input activations, the same on every process."""
     g = torch.Generator().manual_seed(step)
@@ -162,22 +229,23 @@ def serial_step_times(shape: Shape, steps: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
-def transfer_seconds(pipe: PipelineGroup, spec: ActivationSpec, trips: int = 20) -> float:
-    """One activation's transfer between the two stages: the median of half a round trip,
-    each way one ``exchange`` as the schedules make it (stage 0 sends, stage 1 sends back)."""
+def transfer_seconds(pipe: PipelineGroup, spec: ActivationSpec, ticks: int = 24) -> float:
+    """What one exchange costs a stage in the steady state: both stages, in step, post an
+    activation to each other (as every steady tick does), through the schedules' own exchange
+    with its deferred waits, and wait for the other's; the median time from posting to
+    arrival. Each tick first sleeps for a while, as a stage computes, so the exchange starts
+    with the peer's threads idle."""
     x = torch.randn(spec.shape)
-    halves = []
-    for _ in range(trips + 2):  # the first two trips set up the connection's buffers
+    times = []
+    for _ in range(ticks + 2):  # the first two set up the connection's buffers
         dist.barrier(group=pipe.group)
+        time.sleep(0.005)
         start = time.perf_counter()
-        if pipe.is_first:
-            exchange(pipe, spec, send_next=x)
-            exchange(pipe, spec, recv_next=True)
-        else:
-            x = exchange(pipe, spec, recv_prev=True)[0]
-            exchange(pipe, spec, send_prev=x)
-        halves.append((time.perf_counter() - start) / 2)
-    return statistics.median(halves[2:])
+        pending = start_exchange(pipe, spec, send_next=x, recv_prev=True)
+        pending.activation()
+        times.append(time.perf_counter() - start)
+        pending.wait_sends()
+    return statistics.median(times[2:])
 
 
 def core_share(seconds: float = 0.3) -> float:
@@ -192,9 +260,10 @@ def core_share(seconds: float = 0.3) -> float:
 
 
 def pipeline_run(shape: Shape, schedules: tuple[int, ...], steps: int, warmup: int) -> dict:
-    """One process of PP=2 runs (gloo initialised here), one per v in ``schedules`` (1: 1F1B,
-    else interleaved): per timed step, this stage's events and its iteration seconds (from a
-    barrier to the end of its AdamW step), the measured transfer time and core share; keyed by v."""
+    """One process of PP=2 runs (gloo initialised here), for each v in ``schedules`` (1: 1F1B,
+    else interleaved) with the layers as they are and as ``FixedCostChunk``: per timed step,
+    this stage's events and its iteration seconds (from a barrier to the end of its AdamW
+    step), the measured transfer time, core share and unit budgets; keyed by (v, fixed)."""
     dist.init_process_group("gloo")
     rank, p = dist.get_rank(), dist.get_world_size()
     pipe = PipelineGroup.from_ranks(list(range(p)), None, rank)
@@ -205,26 +274,37 @@ def pipeline_run(shape: Shape, schedules: tuple[int, ...], steps: int, warmup: i
     m = shape.micro_batches
     runs = {}
     for v in schedules:
-        chunks = stage_chunks(shape, p, v, rank)
-        params = [param for chunk in chunks for param in chunk.parameters()]
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        events, times = [], []
-        for step in range(warmup + steps):
-            batches: Iterator[Tensor] = iter(microbatches(shape, step))
-            dist.barrier()  # both stages start the step together
-            start = time.perf_counter()
-            if v == 1:
-                result = one_f_one_b(chunks[0], batches, m, pipe, spec, lambda loss: loss / m)
-            else:
-                result = interleaved_one_f_one_b(
-                    chunks, batches, m, pipe, spec, lambda loss: loss / m
-                )
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-                events.append(result.events)
-        runs[v] = {"events": events, "times": times, "transfer": transfer, "core_share": share}
+        layer_chunks = stage_chunks(shape, p, v, rank)
+        budgets = unit_budgets(layer_chunks, shape)
+        for fixed in (False, True):
+            chunks = layer_chunks
+            if fixed:
+                chunks = [FixedCostChunk(c.first, c.last, *budgets) for c in layer_chunks]
+            params = [param for chunk in chunks for param in chunk.parameters()]
+            opt = torch.optim.AdamW(params, lr=1e-4)
+            events, times = [], []
+            for step in range(warmup + steps):
+                batches: Iterator[Tensor] = iter(microbatches(shape, step))
+                dist.barrier()  # both stages start the step together
+                start = time.perf_counter()
+                if v == 1:
+                    result = one_f_one_b(chunks[0], batches, m, pipe, spec, lambda loss: loss / m)
+                else:
+                    result = interleaved_one_f_one_b(
+                        chunks, batches, m, pipe, spec, lambda loss: loss / m
+                    )
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step >= warmup:
+                    times.append(time.perf_counter() - start)
+                    events.append(result.events)
+            runs[v, fixed] = {
+                "events": events,
+                "times": times,
+                "transfer": transfer,
+                "core_share": share,
+                "budgets": budgets if fixed else None,
+            }
     return runs
 
 
@@ -239,14 +319,28 @@ def _input_of(event: Event, stage: int, p: int, virtual: int) -> tuple[str, int,
     return (event.kind, source, event.microbatch) if 0 <= source < virtual else None
 
 
+def _sends(event: Event, stage: int, p: int, virtual: int) -> bool:
+    """True where ``event``'s result goes to another stage: a forward's output to the next
+    virtual stage (none after the last), a backward's input gradient to the previous (none
+    before the first)."""
+    j = event.chunk * p + stage
+    return j < virtual - 1 if event.kind == "F" else j > 0
+
+
 def _virtual_stages(events_per_stage: list[list[Event]]) -> int:
     return len(events_per_stage) * (1 + max(e.chunk for s in events_per_stage for e in s))
 
 
-def replay_bubble(events_per_stage: list[list[Event]], delays: list[list[float]]) -> float:
+def replay_bubble(
+    events_per_stage: list[list[Event]],
+    delays: list[list[float]],
+    input_delays: list[list[float]] | None = None,
+) -> float:
     """The bubble of the stages' recorded unit order, each unit taking its recorded duration
-    and starting ``delays[stage][i]`` seconds after both its stage is free and its input (see
-    ``_input_of``) is produced: as early as the order allows, plus its exchange."""
+    and starting as early as the order allows: ``delays[stage][i]`` seconds after its stage is
+    free, and ``input_delays[stage][i]`` (the same, where None) after its input (see
+    ``_input_of``) is produced."""
+    input_delays = delays if input_delays is None else input_delays
     p, virtual = len(events_per_stage), _virtual_stages(events_per_stage)
     end: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end
     free, done = [0.0] * p, [0] * p
@@ -254,12 +348,14 @@ def replay_bubble(events_per_stage: list[list[Event]], delays: list[list[float]]
         progressed = False
         for s, events in enumerate(events_per_stage):
             while done[s] < len(events):
-                e = events[done[s]]
+                i, e = done[s], events[done[s]]
                 source = _input_of(e, s, p, virtual)
                 if source is not None and source not in end:
                     break  # its input is not there yet: let the other stages run
-                ready = max(free[s], 0.0 if source is None else end[source])
-                free[s] = ready + delays[s][done[s]] + e.end - e.start
+                ready = free[s] + delays[s][i]
+                if source is not None:
+                    ready = max(ready, end[source] + input_delays[s][i])
+                free[s] = ready + e.end - e.start
                 end[e.kind, e.chunk * p + s, e.microbatch] = free[s]
                 done[s] += 1
                 progressed = True
@@ -269,13 +365,20 @@ def replay_bubble(events_per_stage: list[list[Event]], delays: list[list[float]]
     return (p * max(free) - busy) / busy
 
 
-def transfer_delays(events_per_stage: list[list[Event]], transfer: float) -> list[list[float]]:
-    """``transfer`` seconds before every unit that receives its input from another stage."""
+def transfer_delays(
+    events_per_stage: list[list[Event]], transfer: float
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``replay_bubble``'s two delay tables for transfers of ``transfer`` seconds each: a stage
+    whose previous unit sent its result spends ``transfer`` posting it (a gloo send writes the
+    tensor out before it returns), and a unit whose input comes from another stage starts
+    ``transfer`` after that input was produced."""
     p, virtual = len(events_per_stage), _virtual_stages(events_per_stage)
-    return [
-        [0.0 if _input_of(e, s, p, virtual) is None else transfer for e in events]
-        for s, events in enumerate(events_per_stage)
-    ]
+    after_stage, after_input = [], []
+    for s, events in enumerate(events_per_stage):
+        sent = [False] + [_sends(e, s, p, virtual) for e in events[:-1]]
+        after_stage.append([transfer if x else 0.0 for x in sent])
+        after_input.append([transfer] * len(events))
+    return after_stage, after_input
 
 
 def observed_delays(events_per_stage: list[list[Event]]) -> list[list[float]]:
@@ -331,18 +434,20 @@ def bubble_report(ranks: list[dict], m: int, v: int) -> dict:
         return 1e3 * statistics.median(e.end - e.start for e in units)
 
     comm = median_over_steps(
-        lambda st: replay_bubble(uniform(st), transfer_delays(st, transfer)) - formula
+        lambda st: replay_bubble(uniform(st), *transfer_delays(st, transfer)) - formula
     )
     observed = median_over_steps(
         lambda st: replay_bubble(uniform(st), observed_delays(st)) - formula
     )
-    return {
-        "measured": median_over_steps(bubble_fraction),
+    measured = median_over_steps(bubble_fraction)
+    report = {
+        "measured": measured,
         "formula": formula,
         "comm": comm,
         "expected": formula + comm,
+        "over_expected": measured / (formula + comm) - 1,
         "comm_observed": observed,
-        "replayed": median_over_steps(lambda st: replay_bubble(st, transfer_delays(st, transfer))),
+        "replayed": median_over_steps(lambda st: replay_bubble(st, *transfer_delays(st, transfer))),
         "exchange_ms": 1e3
         * statistics.median(d for step in steps for stage in observed_delays(step) for d in stage),
         "transfer_ms": 1e3 * transfer,
@@ -350,6 +455,10 @@ def bubble_report(ranks: list[dict], m: int, v: int) -> dict:
         "forward_ms": unit_ms("F"),
         "backward_ms": unit_ms("B"),
     }
+    budgets = ranks[0]["budgets"]
+    if budgets is not None:
+        report["budget_ms"] = [1e3 * b for b in budgets]
+    return report
 
 
 def iteration_seconds(ranks: list[dict]) -> float:
@@ -359,7 +468,7 @@ def iteration_seconds(ranks: list[dict]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed iterations per run")
+    parser.add_argument("--steps", type=int, default=12, help="timed iterations per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -370,14 +479,22 @@ def main() -> None:
     result: dict = {"pp1_ms": round(1e3 * pp1, 1)}
     names = {1: "pp2", 2: "pp2_interleaved"}
     runs = run_distributed(pipeline_run, 2, shape, tuple(names), args.steps, args.warmup)
+    checks = {}
     for v, name in names.items():
-        ranks = [run[v] for run in runs]
+        ranks = [run[v, False] for run in runs]
         seconds = iteration_seconds(ranks)
         bubble = bubble_report(ranks, shape.micro_batches, v)
         result[f"{name}_ms"] = round(1e3 * seconds, 1)
         result[f"{name}_over_pp1"] = round(seconds / pp1, 3)
         result[f"{name}_ideal_over_pp1"] = round((1 + bubble["formula"]) / 2, 3)
         result[f"{name}_bubble"] = {k: round(x, 4) for k, x in bubble.items()}
+        fixed = bubble_report([run[v, True] for run in runs], shape.micro_batches, v)
+        result[f"{name}_fixed_cost_bubble"] = {
+            k: [round(x, 2) for x in y] if isinstance(y, list) else round(y, 4)
+            for k, y in fixed.items()
+        }
+        checks[f"{name}_fixed_cost_bubble_within_10pct"] = abs(fixed["over_expected"]) <= 0.10
+    result["checks"] = checks
     result["shape"] = asdict(shape)
     result["threads_per_process"] = 1
     result["loadavg_before"] = [round(x, 2) for x in load_before]

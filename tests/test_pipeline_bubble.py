@@ -58,7 +58,7 @@ def ideal_events(p: int, v: int, m: int, forward: float, backward: float) -> lis
 def test_replay_with_free_transfers_gives_the_formula(p, v, m):
     """Equal stages, backward twice a forward: the replayed order idles exactly (p-1)/(m*v)."""
     events = ideal_events(p, v, m, 1.0, 2.0)
-    bubble = replay_bubble(events, transfer_delays(events, 0.0))
+    bubble = replay_bubble(events, *transfer_delays(events, 0.0))
     assert bubble == pytest.approx(ideal_bubble(p, v, m), rel=1e-12)
 
 
@@ -69,7 +69,7 @@ def test_two_stage_1f1b_puts_m_plus_one_transfers_on_the_critical_path(m):
     transfer of c lengthens the step by (m + 1) c, the bubble by (m + 1) c / (m (F + B))."""
     forward, backward, c = 1.0, 2.0, 0.01
     events = ideal_events(2, 1, m, forward, backward)
-    bubble = replay_bubble(events, transfer_delays(events, c))
+    bubble = replay_bubble(events, *transfer_delays(events, c))
     assert bubble == pytest.approx(1 / m + (m + 1) * c / (m * (forward + backward)), rel=1e-9)
 
 
@@ -78,7 +78,7 @@ def test_observed_exchanges_and_compute_replay_the_measured_bubble():
     """On real processes: each step's recorded units and observed exchange times, replayed,
     give the recorded timeline's bubble."""
     runs = run_distributed(pipeline_run, 2, Shape(), (1,), STEPS, WARMUP)
-    ranks = [run[1] for run in runs]
+    ranks = [run[1, False] for run in runs]
     for step in zip(*(rank["events"] for rank in ranks)):
         step = list(step)
         assert replay_bubble(step, observed_delays(step)) == pytest.approx(bubble_fraction(step))
