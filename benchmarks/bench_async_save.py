@@ -78,7 +78,7 @@ def main() -> None:
 
         step()  # the AdamW moments exist from here on: a checkpoint holds them
         metrics_file = os.path.join(root, "metrics.jsonl")
-        work = Workload.of(cfg, VOCAB, 1, state.device)
+        work = Workload.of(cfg, VOCAB, 1)
         metrics = MetricsLogger(None, metrics_file, True, "", work)
         steps: dict[bool, list[float]] = {False: [], True: []}
         iteration = 0

@@ -259,11 +259,18 @@ def core_share(seconds: float = 0.3) -> float:
     return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
-def pipeline_run(shape: Shape, schedules: tuple[int, ...], steps: int, warmup: int) -> dict:
+def pipeline_run(
+    shape: Shape,
+    schedules: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    fixed_costs: tuple[bool, ...] = (False, True),
+) -> dict:
     """One process of PP=2 runs (gloo initialised here), for each v in ``schedules`` (1: 1F1B,
-    else interleaved) with the layers as they are and as ``FixedCostChunk``: per timed step,
-    this stage's events and its iteration seconds (from a barrier to the end of its AdamW
-    step), the measured transfer time, core share and unit budgets; keyed by (v, fixed)."""
+    else interleaved) with the layers as they are (fixed False) and as ``FixedCostChunk``
+    (True), as ``fixed_costs`` asks: per timed step, this stage's events and its iteration
+    seconds (from a barrier to the end of its AdamW step), the measured transfer time, core
+    share and unit budgets; keyed by (v, fixed)."""
     dist.init_process_group("gloo")
     rank, p = dist.get_rank(), dist.get_world_size()
     pipe = PipelineGroup.from_ranks(list(range(p)), None, rank)
@@ -276,7 +283,7 @@ def pipeline_run(shape: Shape, schedules: tuple[int, ...], steps: int, warmup: i
     for v in schedules:
         layer_chunks = stage_chunks(shape, p, v, rank)
         budgets = unit_budgets(layer_chunks, shape)
-        for fixed in (False, True):
+        for fixed in fixed_costs:
             chunks = layer_chunks
             if fixed:
                 chunks = [FixedCostChunk(c.first, c.last, *budgets) for c in layer_chunks]

@@ -118,12 +118,9 @@ class Workload:
     tokens_per_iter: int  # over all ranks
     flops_per_iter: float  # over all ranks
     world_size: int
-    device: torch.device
 
     @classmethod
-    def of(
-        cls, cfg: Config, padded_vocab_size: int, world_size: int, device: torch.device
-    ) -> Workload:
+    def of(cls, cfg: Config, padded_vocab_size: int, world_size: int) -> Workload:
         """The work of one iteration of ``cfg``'s model on ``world_size`` devices."""
         m, t = cfg.model, cfg.training
         flops = flops_per_iteration(
@@ -136,7 +133,7 @@ class Workload:
             recompute=m.recompute == "full",
         )
         tokens = t.global_batch_size * m.seq_length
-        return cls(t.train_iters, tokens, flops, world_size, device)
+        return cls(t.train_iters, tokens, flops, world_size)
 
 
 class MetricsLogger:

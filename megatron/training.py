@@ -236,7 +236,7 @@ def _train(
     optimizer.set_lr(schedule.lr)
     train_iter, valid_iter, test_iter = _data(cfg, state, datasets_provider, tokenizer, progress)
 
-    work = Workload.of(cfg, padded_vocab, state.world_size, state.device)
+    work = Workload.of(cfg, padded_vocab, state.world_size)
     metrics = MetricsLogger(
         cfg.logging.tensorboard_dir, cfg.logging.metrics_file, state.is_first, config_text, work
     )

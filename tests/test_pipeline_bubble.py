@@ -77,7 +77,7 @@ def test_two_stage_1f1b_puts_m_plus_one_transfers_on_the_critical_path(m):
 def test_observed_exchanges_and_compute_replay_the_measured_bubble():
     """On real processes: each step's recorded units and observed exchange times, replayed,
     give the recorded timeline's bubble."""
-    runs = run_distributed(pipeline_run, 2, Shape(), (1,), STEPS, WARMUP)
+    runs = run_distributed(pipeline_run, 2, Shape(), (1,), STEPS, WARMUP, (False,))
     ranks = [run[1, False] for run in runs]
     for step in zip(*(rank["events"] for rank in ranks)):
         step = list(step)

@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron.config_load import load_config
 from megatron.device_peaks import bf16_peak_tflops, mfu
 from megatron.estimate import GIB, estimate_memory
@@ -71,7 +69,7 @@ def throughput(
     # PaLM's MFU counts the model's FLOPs (attention included) once: recomputation is work the
     # hardware does on top, so it is in the trainer's TFLOP/s (hardware FLOPs) but not in MFU.
     no_recompute = dataclasses.replace(cfg, model=dataclasses.replace(m, recompute="none"))
-    model_flops = Workload.of(no_recompute, padded, 1, torch.device("cpu")).flops_per_iter
+    model_flops = Workload.of(no_recompute, padded, 1).flops_per_iter
     model_tflops = model_flops / seconds / 1e12
     hardware_tflops = statistics.mean(e["tflops"] for e in steady)
     name = device_name()
