@@ -1,5 +1,5 @@
-"""tools/export_hf.py against transformers: trained checkpoints at TP=1, 2 and 4 and BERTs of
-both LayerNorm placements give HF models whose logits equal ours.
+"""tools/export_hf.py against transformers: trained checkpoints at TP=1, 2 and 4 and at
+TP=2 x PP=2, and BERTs of both LayerNorm placements, give HF models whose logits equal ours.
 
 Our reference is the checkpoint loaded at TP=1 by the training's own load path (a world of one,
 no process group). The limit 1e-4 (fp32) leaves room for summation order and the two spellings
@@ -29,7 +29,7 @@ from megatron.interop.hf_tokenizer import tokenizer_note
 from megatron.interop.verify import TOLERANCE, sample_inputs
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from tests.gpt_run import ROOT, run_pretrain
+from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 from tests.test_pretrain_bert import bert_data, bert_overrides  # noqa: F401 (a fixture)
 from tools.checkpoint_util import main as checkpoint_util
 
@@ -121,6 +121,38 @@ def test_gpt_exports_at_every_tp_size_match_ours(gpt_layouts, trained_gpt, tmp_p
     out = str(tmp_path / "hf_tp2")
     assert Path(out, "tokenizer.model").read_bytes() == Path(trained_gpt["tokenizer"]).read_bytes()
     assert "sentencepiece.SentencePieceProcessor" in tokenizer_note(out)
+
+
+@pytest.mark.slow
+def test_a_tp2_pp2_checkpoint_exports_like_its_merged_copy(gpt_data, tmp_path):
+    """Saved at TP=2 x PP=2 (4 layers, one file per (TP, PP) rank, the tied word table on both
+    end stages), the export matches our model loaded at TP=1 x PP=1 and equals, tensor for
+    tensor, the export of the checkpoint merged into one file by tools/checkpoint_util.py."""
+    run = tmp_path / "run"
+    extra = {
+        "model.num_layers": 4,
+        "parallel.tensor_parallel_size": 2,
+        "parallel.pipeline_parallel_size": 2,
+        "training.train_iters": 2,
+        "training.eval_iters": 0,
+        "optimizer.lr_warmup_iters": 1,
+        "logging.tensorboard_dir": None,
+        "checkpoint.save": run / "ckpt",
+    }
+    run_pretrain(
+        "pretrain_gpt.py", "configs/gpt_tiny.yaml", tiny_overrides(gpt_data, run, **extra), 4
+    )
+    save_dir = str(run / "ckpt")
+    merged = str(tmp_path / "merged")
+    assert checkpoint_util(["--input", save_dir, "--output", merged, "--merge"]) == 0
+    ours = load_ours(save_dir)
+    out = export_hf(save_dir, str(tmp_path / "hf_pp2"))
+    assert logit_difference(ours, hf_model(out), ours.vocab_size, bert=False) < TOLERANCE
+    exported = load_file(f"{out}/model.safetensors")
+    from_merged = load_file(f"{export_hf(merged, str(tmp_path / 'hf_merged'))}/model.safetensors")
+    assert exported.keys() == from_merged.keys()
+    assert all(torch.equal(exported[k], from_merged[k]) for k in exported)
+    assert sum(k.startswith("transformer.h.") and k.endswith(".ln_1.weight") for k in exported) == 4
 
 
 def test_cli_exports_bf16_and_verifies(gpt_layouts, tmp_path, capsys):
