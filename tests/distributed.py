@@ -1,8 +1,14 @@
-"""Spawn N real processes on CPU (gloo) and collect what each returns.
+"""Start N real processes on CPU (gloo) and collect what each returns.
 
-Each child gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT on a free port) and one intra-op thread, so N processes fit on few cores. A child's
-exception is re-raised in the parent with the child's traceback.
+Each child gets the caller's environment as of the call, plus the torchrun one (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), and one intra-op thread, so N
+processes fit on few cores. A child's exception is re-raised in the parent with the child's
+traceback.
+
+Children are forked from multiprocessing's fork server, one clean single-threaded process per
+session that imported torch (with its compiler front end, which every optimizer loads) and
+megatron before any test ran: a child starts in milliseconds, where a fresh interpreter spends
+seconds importing them, and, like a spawned one, shares no state with the test process.
 """
 
 from __future__ import annotations
@@ -26,7 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+# Imported once, in the fork server; a module that is missing is skipped there.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron.training"]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
+
+
+def _child(
+    rank: int, world_size: int, port: int, call: bytes, env: dict[str, str], out: Any
+) -> None:
+    # The fork server's environment is the one it started with: take the caller's first, then
+    # unpickle the call, so that modules it imports read the caller's variables.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -36,6 +54,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
     )
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(call)
         # Plain pickle copies tensors by value; the queue's own pickler would hand over shared
         # memory that vanishes when this process exits before the parent reads it.
         out.put((rank, None, pickle.dumps(fn(*args))))
@@ -51,13 +70,13 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list:
     """Run ``fn(*args)`` on ``world_size`` processes; return their results ordered by rank.
 
-    ``fn`` must be importable (module level) because children are spawned, not forked.
+    ``fn`` must be importable (module level): children import it by name.
     """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = _CONTEXT.Queue()
     port = free_port()
+    call, env = pickle.dumps((fn, args)), dict(os.environ)
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, fn, args, out), daemon=True)
+        _CONTEXT.Process(target=_child, args=(r, world_size, port, call, env, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
