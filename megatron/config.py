@@ -79,6 +79,11 @@ class ParallelConfig:
         "Split LayerNorm/dropout/residual activations along the sequence over TP (needs TP > 1).",
         False,
     )
+    overlap_param_gather: bool = _doc(
+        "Distributed optimizer: each bucket's parameter all-gather is waited for by the next "
+        "forward's first use, not by the step.",
+        False,
+    )
     heartbeat_grace_s: float = _doc(
         "A peer (or the launcher) silent this long is lost: the run names it and exits 1.", 60.0
     )

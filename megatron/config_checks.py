@@ -139,6 +139,11 @@ def _check_config(cfg: Config) -> None:
         )
     tp = cfg.parallel.tensor_parallel_size
     _check_pipeline(cfg)
+    if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
+        raise ConfigError(
+            "parallel.overlap_param_gather=true overlaps the distributed optimizer's parameter "
+            "all-gather; set parallel.distributed_optimizer=true too, or set it to false"
+        )
     if cfg.parallel.sequence_parallel and tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (it splits "

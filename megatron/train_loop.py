@@ -219,7 +219,9 @@ class TrainLoop:
         being written in the background; that save's error, if any, is raised here.
         """
         try:
-            return self._iterate(train_iter, valid_iter, test_iter, policy)
+            code = self._iterate(train_iter, valid_iter, test_iter, policy)
+            self.ddp.wait_param_gather()  # the last step's, with parallel.overlap_param_gather
+            return code
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
@@ -240,7 +242,8 @@ class TrainLoop:
             start = time.perf_counter()
             result, means, memory, flags = self.train_step(train_iter, policy)
             # The step ended in a host sync after its last kernel (the optimizer's copy-back), so
-            # this is the device's time too; evaluation time is not iteration time.
+            # this is the device's time too (parameter all-gathers left running by
+            # parallel.overlap_param_gather count in the next); evaluation time is not iteration time.
             seconds = time.perf_counter() - start
             p.iteration += 1
             p.consumed_train_samples += t.global_batch_size

@@ -197,7 +197,13 @@ def _train(
     # With parallel.distributed_optimizer the buckets are reduce-scattered and each DP rank
     # updates its shard of them (megatron/optim/distributed_optimizer.py).
     sharded = cfg.parallel.distributed_optimizer
-    ddp = DataParallel(model, state, cfg.parallel.ddp_bucket_size_mb, shard_optimizer=sharded)
+    ddp = DataParallel(
+        model,
+        state,
+        cfg.parallel.ddp_bucket_size_mb,
+        shard_optimizer=sharded,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
     optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
     schedule = LRSchedule.from_config(cfg.optimizer)
 

@@ -21,7 +21,9 @@ One step is MainParamOptimizer's (megatron/optim/optimizer.py) with these differ
   same single all-reduce as the overflow flag and the caller's sums;
 - copy-back: the shard into the model-dtype parameter buffer's slices (nothing to copy for an
   fp32 model, updated in place), then every bucket is
-  all-gathered in place (``DataParallel.gather_params``), before the step's one host sync.
+  all-gathered in place (``DataParallel.gather_params``), before the step's one host sync; with
+  ``overlap_param_gather`` the gathers go on into the next forward, each bucket waited for by
+  its first use (and all of them before the next step writes the buffer).
 
 For checkpoints: ``shard_state()`` and ``layout()`` describe this rank's shard and where its
 values belong; ``assemble(layout, shards)`` turns all DP ranks' shards back into the
@@ -140,6 +142,9 @@ class DistributedOptimizer(MainParamOptimizer):
         return slice(first + piece.lo, first + piece.hi)
 
     def _attach_grads(self) -> list[Tensor | None]:
+        # The step writes the parameter buffer, which the last step's all-gathers (left
+        # running with overlap_param_gather) must have finished with.
+        self.ddp.wait_param_gather()
         for main, grad in zip(self.main_params, self._grads):
             main.grad = grad
         return list(self._grads)

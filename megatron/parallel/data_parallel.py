@@ -21,8 +21,9 @@ each bucket is padded to a multiple of the DP size and DP rank d owns the d-th c
 every bucket. A full bucket is then reduce-scattered instead (the same average, landing only in
 the owned slice), and the parameters become views of one flat model-dtype buffer laid out like the
 gradient buffer, so that after the optimizer wrote its updated slices, ``gather_params()``
-all-gathers each bucket's parameters in place. Both collectives, with the output aliasing the
-input as here, exist on NCCL and on gloo for CPU tensors (checked with torch 2.13)::
+all-gathers each bucket's parameters in place (with ``overlap_param_gather``, left running into
+the next forward, where each module waits for its own buckets). Both collectives, with the output
+aliasing the input as here, exist on NCCL and on gloo for CPU tensors (checked with torch 2.13)::
 
     buffer  | bucket 0 (padded to 2n)  | bucket 1 (padded to 2m)  |     (DP = 2)
     rank 0  | [0, n)                   | [0, m)                   |  -> its shard: n + m values
@@ -77,6 +78,7 @@ class _Bucket:
     held: bool = False
     launched: bool = False
     handle: dist.Work | None = field(default=None, repr=False)
+    gather: dist.Work | None = field(default=None, repr=False)  # its parameters' all-gather
 
 
 class DataParallel:
@@ -89,7 +91,10 @@ class DataParallel:
         state: ParallelState,
         bucket_size_mb: float = 25.0,
         shard_optimizer: bool = False,
+        overlap_param_gather: bool = False,
     ):
+        if overlap_param_gather and not shard_optimizer:
+            raise ValueError("overlap_param_gather needs shard_optimizer (sharded parameters)")
         self.module, self.group, self.dp_size = module, state.dp_group, state.dp_size
         self.dp_rank, self.shard_optimizer = state.dp_rank, shard_optimizer
         # parameters() yields a tied parameter once, so it gets one main_grad and one hook.
@@ -136,6 +141,9 @@ class DataParallel:
         self._sync = True
         self._next = 0  # index of the first bucket not yet launched this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.overlap_param_gather = overlap_param_gather and self.dp_size > 1
+        if self.overlap_param_gather:
+            self._wait_for_gathers_on_use()
 
     @torch.no_grad()
     def _flatten_params(self) -> Tensor:
@@ -222,15 +230,47 @@ class DataParallel:
 
     def gather_params(self) -> None:
         """Every bucket's parameters from the DP rank that owns each slice, in place in
-        ``param_buffer`` (``shard_optimizer`` only): launched per bucket, then waited for."""
+        ``param_buffer`` (``shard_optimizer`` only), launched in forward order (the reverse of
+        the buckets'). Waited for here, or with ``overlap_param_gather`` where they are read:
+        each bucket by the first forward that uses it, the rest by ``wait_param_gather``."""
         if self.param_buffer is None or self.dp_size == 1:
             return
-        handles = [
-            dist.all_gather_single(b.param_flat, b.param_flat[b.shard], self.group, async_op=True)
-            for b in self.buckets
-        ]
-        for handle in handles:
-            handle.wait()
+        self.wait_param_gather()
+        for b in reversed(self.buckets):
+            b.gather = dist.all_gather_single(
+                b.param_flat, b.param_flat[b.shard], self.group, async_op=True
+            )
+        if not self.overlap_param_gather:
+            self.wait_param_gather()
+
+    def wait_param_gather(self, buckets: list[_Bucket] | None = None) -> None:
+        """Wait for the parameter all-gathers still running (of ``buckets``, else of all)."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
+
+    def _wait_for_gathers_on_use(self) -> None:
+        """Hooks that wait for a bucket's all-gather just before its parameters are read: each
+        module's forward for the buckets of its own parameters; the model's forward for those
+        of pipeline-tied ones (the last stage reads its word-table copy in the LM head, never
+        calling the embedding); and the model's ``state_dict`` (checkpoints) for all."""
+
+        def waiting_for(buckets: list[_Bucket]):
+            return lambda module, args: self.wait_param_gather(buckets)
+
+        def buckets_of(params: Iterator[nn.Parameter]) -> list[_Bucket]:
+            found = {id(b): b for p in params if (b := self._bucket_of.get(id(p))) is not None}
+            return list(found.values())
+
+        for module in self.module.modules():
+            own = buckets_of(module.parameters(recurse=False))
+            if own:
+                module.register_forward_pre_hook(waiting_for(own))
+        tied = buckets_of(p for p in self.params if getattr(p, "pipeline_tied", False))
+        if tied:
+            self.module.register_forward_pre_hook(waiting_for(tied))
+        self.module.register_state_dict_pre_hook(lambda *args: self.wait_param_gather())
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (one kernel over the flat buffer) before the next step."""
