@@ -242,8 +242,8 @@ class TrainLoop:
             start = time.perf_counter()
             result, means, memory, flags = self.train_step(train_iter, policy)
             # The step ended in a host sync after its last kernel (the optimizer's copy-back), so
-            # this is the device's time too (parameter all-gathers left running by
-            # parallel.overlap_param_gather count in the next); evaluation time is not iteration time.
+            # this is the device's time too (all-gathers left running by overlap_param_gather
+            # count in the next); evaluation time is not iteration time.
             seconds = time.perf_counter() - start
             p.iteration += 1
             p.consumed_train_samples += t.global_batch_size

@@ -172,9 +172,18 @@ GPT_CFG = OptimizerConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.3, lr_warmup_it
 GPT_BUCKET_MB = 2000 * 4 / 2**20  # about 2000 values: a dozen buckets, some of one parameter
 
 
-def _gpt_run(state: ParallelState, dtype: str, distributed: bool) -> dict:
-    """ITERS iterations of the real model, DataParallel and optimizer; fp16 with a dynamic loss
-    scale and, at OVERFLOW_AT, an inf in the last rank's loss (so in its gradients)."""
+def train_tiny_gpt(
+    state: ParallelState,
+    dtype: str,
+    distributed: bool,
+    overlap: bool = False,
+    bucket_mb: float = GPT_BUCKET_MB,
+    iters: int = ITERS,
+) -> dict:
+    """``iters`` iterations of the real model, DataParallel and optimizer; fp16 with a dynamic
+    loss scale and, at OVERFLOW_AT, an inf in the last rank's loss (so in its gradients). Per
+    step also the parameter all-gathers pending after the first forward and after the step
+    (``overlap``: DataParallel's overlap_param_gather)."""
     from megatron.models.gpt import GPTModel
     from megatron.optim.optimizer import DTYPES
     from megatron.parallel.random import RNGTracker
@@ -184,18 +193,22 @@ def _gpt_run(state: ParallelState, dtype: str, distributed: bool) -> dict:
     tracker.seed(1234, state.tp_rank)
     padded = -(-VOCAB // (128 * state.tp_size)) * 128 * state.tp_size
     model = GPTModel(tiny_model_config(), VOCAB, padded, state, tracker).to(DTYPES[dtype])
-    ddp = DataParallel(model, state, GPT_BUCKET_MB, shard_optimizer=distributed)
+    ddp = DataParallel(
+        model, state, bucket_mb, shard_optimizer=distributed, overlap_param_gather=overlap
+    )
     precision = PrecisionConfig(dtype=dtype, initial_loss_scale=2.0**10, hysteresis=1)
     opt = build_optimizer(model, GPT_CFG, precision, state, ddp)
     assert isinstance(opt, DistributedOptimizer) == distributed
-    results: dict = {"loss": [], "norm": [], "skipped": [], "scale": []}
-    for it in range(ITERS):
+    results: dict = {k: [] for k in ("loss", "norm", "skipped", "scale", "pending", "left")}
+    for it in range(iters):
         g = torch.Generator().manual_seed(1000 * it + state.dp_rank)
         tokens = torch.randint(0, VOCAB, (2, 2, 17), generator=g)  # [micro, b, s + 1]
         total = 0.0
         for micro in range(2):
             with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
                 loss = model(tokens[micro, :, :-1], labels=tokens[micro, :, 1:]).mean() / 2
+                if micro == 0:
+                    results["left"].append(sum(b.gather is not None for b in ddp.buckets))
                 if dtype == "fp16" and it == OVERFLOW_AT and state.rank == state.world_size - 1:
                     loss = loss * float("inf")
                 opt.scale_loss(loss).backward()
@@ -204,10 +217,12 @@ def _gpt_run(state: ParallelState, dtype: str, distributed: bool) -> dict:
         result = opt.step()
         opt.zero_grad()
         ddp.zero_grad_buffer()
+        results["pending"].append(sum(b.gather is not None for b in ddp.buckets))
         results["loss"].append(total)
         results["norm"].append(result.grad_norm)
         results["skipped"].append(result.found_inf)
         results["scale"].append(result.loss_scale)
+    ddp.wait_param_gather()  # as the training loop's end does
     results["params"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     # The per-parameter state: the plain optimizer's own, the distributed one's gathered over DP.
     results["state"] = copy.deepcopy(opt.state_dict()["params"])
@@ -223,7 +238,7 @@ def _layouts_child(tps: list[int]) -> dict:
         state = initialize(tp_size=tp)
         for dtype in ("fp32", "fp16"):
             for distributed in (False, True):
-                results[(tp, dtype, distributed)] = _gpt_run(state, dtype, distributed)
+                results[(tp, dtype, distributed)] = train_tiny_gpt(state, dtype, distributed)
     return results
 
 

@@ -12,7 +12,6 @@ calling the embedding, and the checkpoints it writes hold the same tensors.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -24,6 +23,7 @@ from megatron.config_checks import validate
 from tests.distributed import free_port, run_distributed
 from tests.gpt_run import tiny_overrides
 from tests.test_config import error_of, tiny
+from tests.test_distributed_optimizer import train_tiny_gpt
 from tests.test_resume import metric_lines
 
 VOCAB, ITERS = 100, 6
@@ -58,53 +58,16 @@ def _make_all_gathers_lazy() -> None:
     dist.all_gather_single = lazy
 
 
-def _model_run(dtype: str, overlap: bool) -> dict:
-    """ITERS steps of 2 micro-batches of the real GPT under DataParallel and the distributed
-    optimizer; per step the loss, and whether gathers were pending after the step and after
-    the next step's first forward."""
-    from megatron.config import OptimizerConfig, PrecisionConfig
-    from megatron.models.gpt import GPTModel
-    from megatron.optim.build import build_optimizer
-    from megatron.optim.optimizer import DTYPES
-    from megatron.parallel.data_parallel import DataParallel
-    from megatron.parallel.random import RNGTracker
-    from megatron.parallel.state import initialize
-    from tests.model_config import tiny_model_config
-
-    state = initialize(tp_size=1)
-    tracker = RNGTracker(state.device)
-    tracker.seed(1234, 0)
-    model = GPTModel(tiny_model_config(), VOCAB, 128, state, tracker).to(DTYPES[dtype])
-    bucket_mb = ONE_PARAMETER_BUCKETS
-    ddp = DataParallel(model, state, bucket_mb, shard_optimizer=True, overlap_param_gather=overlap)
-    opt = build_optimizer(model, OptimizerConfig(lr=3e-3), PrecisionConfig(dtype=dtype), state, ddp)
-    out: dict = {"loss": [], "pending_after_step": [], "pending_after_forward": []}
-    for it in range(ITERS):
-        g = torch.Generator().manual_seed(1000 * it + state.dp_rank)
-        tokens = torch.randint(0, VOCAB, (2, 2, 17), generator=g)  # [micro, b, s + 1]
-        total = 0.0
-        for micro in range(2):
-            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
-                loss = model(tokens[micro, :, :-1], labels=tokens[micro, :, 1:]).mean() / 2
-                if micro == 0:
-                    out["pending_after_forward"].append(
-                        sum(b.gather is not None for b in ddp.buckets)
-                    )
-                loss.backward()
-            total += loss.item()
-        ddp.finish_grad_sync()
-        opt.step()
-        opt.zero_grad()
-        ddp.zero_grad_buffer()
-        out["pending_after_step"].append(sum(b.gather is not None for b in ddp.buckets))
-        out["loss"].append(total)
-    out["params"] = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    return out
-
-
 def _model_child() -> dict:
+    from megatron.parallel.state import initialize
+
     _make_all_gathers_lazy()
-    return {(d, o): _model_run(d, o) for d in ("fp32", "bf16") for o in (False, True)}
+    state = initialize(tp_size=1)
+    return {
+        (dtype, overlap): train_tiny_gpt(state, dtype, True, overlap, ONE_PARAMETER_BUCKETS, ITERS)
+        for dtype in ("fp32", "bf16")
+        for overlap in (False, True)
+    }
 
 
 @pytest.mark.slow
@@ -115,11 +78,11 @@ def test_overlapped_gathers_train_bit_identically_and_wait_on_first_use():
             assert overlapped["loss"] == blocking["loss"], dtype
             for name, value in blocking["params"].items():
                 assert torch.equal(overlapped["params"][name], value), (dtype, name)
-            assert set(blocking["pending_after_step"]) == {0}
+            assert set(blocking["pending"]) == {0}
             # Every bucket still gathering after the step; none after the next first forward
             # (every parameter of the GPT is read in it).
-            assert min(overlapped["pending_after_step"]) > 1
-            assert set(overlapped["pending_after_forward"]) == {0}
+            assert min(overlapped["pending"]) > 1
+            assert set(overlapped["left"]) == {0}
 
 
 def _entrypoint_child(runs: list[list[str]], ports: list[int]) -> None:
