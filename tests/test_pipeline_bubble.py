@@ -12,20 +12,12 @@ for no gradient, and no forward waits for its sender's next backward).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 
-from benchmarks.bench_pipeline import (
-    Shape,
-    observed_delays,
-    pipeline_run,
-    replay_bubble,
-    transfer_delays,
-)
+from benchmarks.bench_pipeline import FixedCostChunk, Shape, pipeline_run
+from benchmarks.pipeline_replay import observed_delays, replay_bubble, transfer_delays
 from megatron.parallel.pipeline import (
     ActivationSpec,
     Event,
@@ -84,33 +76,9 @@ def test_observed_exchanges_and_compute_replay_the_measured_bubble():
         assert replay_bubble(step, observed_delays(step)) == pytest.approx(bubble_fraction(step))
 
 
+# The benchmark's fixed-cost units: they sleep, so host load shifts the timeline by scheduler
+# slices only.
 SLEEP_FORWARD_S, SLEEP_BACKWARD_S = 0.02, 0.04
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward take fixed wall time without using a core, so the
-    timeline below does not depend on the machine's load."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        time.sleep(SLEEP_FORWARD_S)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        time.sleep(SLEEP_BACKWARD_S)
-        return grad
-
-
-class SleepChunk(nn.Module):
-    def __init__(self, last: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(()))
-        self.last = last
-
-    def forward(self, hidden: Tensor | None, batch: Tensor) -> Tensor:
-        x = _Sleep.apply((batch if hidden is None else hidden) * self.weight)
-        return x.square().mean() if self.last else x
 
 
 def sleeping_interleaved_run(m: int) -> list[Event]:
@@ -119,7 +87,12 @@ def sleeping_interleaved_run(m: int) -> list[Event]:
     dist.init_process_group("gloo")
     pipe = PipelineGroup.from_ranks(list(range(dist.get_world_size())), None, dist.get_rank())
     spec = ActivationSpec((1, 1, 4), torch.float32, torch.device("cpu"))
-    chunks = [SleepChunk(pipe.is_last and c == 1) for c in range(2)]
+    chunks = [
+        FixedCostChunk(
+            pipe.is_first and c == 0, pipe.is_last and c == 1, SLEEP_FORWARD_S, SLEEP_BACKWARD_S
+        )
+        for c in range(2)
+    ]
     dist.barrier()
     return interleaved_one_f_one_b(chunks, iter([torch.ones(1, 1, 4)] * m), m, pipe, spec).events
 
