@@ -22,23 +22,11 @@ from megatron.optim.optimizer import MixedPrecisionOptimizer
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.state import ParallelState
 from tests.distributed import run_distributed
+from tests.test_optimizer import CFG, Tiny  # the same toy model and settings
 
-CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, adam_beta2=0.95)
 SERIAL = ParallelState.serial(torch.device("cpu"))
 BUCKET_MB = 100 * 4 / 2**20  # 100 fp32 values: several buckets
 TINY_YAML = str(Path(__file__).resolve().parent.parent / "configs" / "gpt_tiny.yaml")
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 8)
-        self.norm = nn.LayerNorm(8)
-        self.fc = nn.Linear(8, 6)
-        self.out = nn.Linear(6, 11, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.fc(self.norm(self.emb(ids)))))
 
 
 def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
