@@ -31,6 +31,7 @@ parameters, and megatron/optim/distributed_optimizer.py's, over this DP rank's s
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,7 +102,7 @@ def check_entries(saved: dict[str, Any], names: list[str], params: list[Tensor])
                 )
 
 
-class MainParamOptimizer:
+class MainParamOptimizer(ABC):
     """The step shared by both optimizers (see the module docstring), over ``main_params``: fp32
     tensors, each a whole parameter or a piece of one, each with its own fp32 gradient.
 
@@ -158,17 +159,17 @@ class MainParamOptimizer:
         """The loss to call ``backward()`` on: multiplied by the loss scale (fp16), else as is."""
         return loss if self.scaler.scale == 1.0 else loss * self.scaler.scale
 
+    @abstractmethod
     def _attach_grads(self) -> list[Tensor | None]:
         """Point each main param's ``.grad`` at its fp32 gradient; return them in main order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _reduce(self, summed: Tensor, local: Tensor) -> tuple[Tensor, Tensor]:
         """(``summed`` summed over the world, the global squared norm) from this rank's values."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _copy_back(self) -> None:
         """Make the model's parameters hold the (updated) main params, in the model's dtype."""
-        raise NotImplementedError
 
     def _release_grads(self) -> None:
         # An fp32 param's .grad is now a view of its main_grad bucket: left in place, the next
