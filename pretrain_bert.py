@@ -11,15 +11,15 @@ import sys
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.config import Config
+from megatron.config.schema import Config
 from megatron.data.bert_dataset import BertVocab, build_bert_datasets
 from megatron.data.hdf5_dataset import split_shards
-from megatron.data.tokenizers import Tokenizer
+from megatron.data.tokenizers.factory import Tokenizer
 from megatron.errors import ConfigError
 from megatron.models.bert import BertModel
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from megatron.training import main
+from megatron.training.pretrain import main
 
 
 def model_provider(

@@ -10,13 +10,13 @@ import sys
 
 from torch import Tensor, nn
 
-from megatron.config import Config
+from megatron.config.schema import Config
 from megatron.data.gpt_dataset import build_gpt_datasets
-from megatron.data.tokenizers import Tokenizer
+from megatron.data.tokenizers.factory import Tokenizer
 from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from megatron.training import main
+from megatron.training.pretrain import main
 
 
 def model_provider(

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
-from megatron.config import ModelConfig, padded_vocab_size  # noqa: E402
+from megatron.config.schema import ModelConfig, padded_vocab_size  # noqa: E402
 from megatron.models.gpt import GPTModel  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402

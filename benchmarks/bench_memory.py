@@ -51,9 +51,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config import Config, padded_vocab_size  # noqa: E402
-from megatron.config_load import load_config  # noqa: E402
-from megatron.estimate import DTYPE_BYTES, layer_activation_bytes, worst_stage  # noqa: E402
+from megatron.config.load import load_config  # noqa: E402
+from megatron.config.schema import Config, padded_vocab_size  # noqa: E402
+from megatron.estimate.memory import DTYPE_BYTES, layer_activation_bytes, worst_stage  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,8 +79,8 @@ def bench_config(dtype: str, tp: int, distributed: bool, sequence: bool, dropout
 
 def _build(cfg: Config, state) -> nn.Module:
     """The GPT of ``cfg`` on ``state``'s TP group, in the config's dtype, as training builds it."""
+    from megatron.config.dtypes import DTYPES
     from megatron.models.gpt import GPTModel
-    from megatron.optim.optimizer import DTYPES
     from megatron.parallel.random import RNGTracker
 
     tracker = RNGTracker(state.device)

@@ -71,7 +71,7 @@ from benchmarks.pipeline_replay import (  # noqa: E402
     transfer_delays,
     uniform,
 )
-from megatron.config import ModelConfig  # noqa: E402
+from megatron.config.schema import ModelConfig  # noqa: E402
 from megatron.models.transformer import TransformerLayer  # noqa: E402
 from megatron.parallel.pipeline import (  # noqa: E402
     ActivationSpec,
@@ -82,9 +82,9 @@ from megatron.parallel.pipeline import (  # noqa: E402
     one_f_one_b,
 )
 from megatron.parallel.pipeline.p2p import start_exchange  # noqa: E402
+from megatron.parallel.pipeline.timeline import ideal_bubble  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import ParallelState  # noqa: E402
-from megatron.pipeline_timeline import ideal_bubble  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 

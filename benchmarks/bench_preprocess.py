@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.data.indexed_dataset import best_dtype  # noqa: E402
-from megatron.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron.data.tokenizers.factory import build_tokenizer  # noqa: E402
 from tools.make_sample_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import build_parser, preprocess  # noqa: E402
 

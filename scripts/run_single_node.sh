@@ -85,7 +85,7 @@ exit_signal() {
     "$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import sys
 
-from megatron.config_load import load_config
+from megatron.config.load import load_config
 
 print(load_config([sys.argv[1]], sys.argv[2:]).training.exit_signal)
 EOF

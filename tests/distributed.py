@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 # Imported once, in the fork server; a module that is missing is skipped there.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron.training"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron.training.pretrain"]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 

@@ -13,7 +13,7 @@ the BERT file's launch too; the BERT tests check only what differs (the entrypoi
 Under c10d rendezvous torchrun numbers the nodes itself (it ignores --node-rank, which only the
 static backend reads), so the torchrun command is the same on every node and carries no node
 rank; the one-task-per-GPU variant's ranks come from SLURM_PROCID/SLURM_LOCALID, checked here
-through megatron.parallel.state.launcher_env.
+through megatron.parallel.launcher.launcher_env.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A tiny model configuration for model-level tests."""
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from megatron import checkpointing
-from megatron.async_checkpoint import Checkpointer
-from megatron.checkpointing import find_latest, load_checkpoint
+from megatron.checkpoint import find_latest, load_checkpoint
+from megatron.checkpoint import save as checkpointing
+from megatron.checkpoint.async_save import Checkpointer
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train

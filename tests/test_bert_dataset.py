@@ -20,7 +20,7 @@ from megatron.data import bert_mapping
 from megatron.data.bert_dataset import BertDataset, BertVocab, build_bert_datasets, truncate_pair
 from megatron.data.bert_mapping import LONG_SENTENCE_TOKENS, build_sample_mapping
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from tests.distributed import run_distributed
 

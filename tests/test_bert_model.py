@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.config import padded_vocab_size
-from megatron.config_load import load_config
+from megatron.config.load import load_config
+from megatron.config.schema import padded_vocab_size
 from megatron.data.bert_dataset import masked_count
-from megatron.estimate import count_parameters, estimate_memory
+from megatron.estimate.memory import count_parameters, estimate_memory
 from megatron.models.bert import BertModel
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.random import RNGTracker
@@ -254,7 +254,7 @@ def _real_count(vocab: int, padded: int, overrides: dict) -> int:
 
 def _dry_run_params(capsys, *overrides: str) -> int:
     import pretrain_bert
-    from megatron.training import main
+    from megatron.training.pretrain import main
 
     argv = ["--config", "configs/bert_3.9b.yaml", "--dry-run", "--world-size", "8", *overrides]
     rc = main(

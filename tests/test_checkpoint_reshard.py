@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_reshard import merge_shards, read_meta, take_shard
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron.checkpoint.format import read_meta
+from megatron.checkpoint.reshard import merge_shards, take_shard
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
 from tests.test_checkpointing import (

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint_reshard import read_meta, shard_file, verify_checkpoint
-from megatron.checkpointing import find_latest, load_checkpoint, save_checkpoint
+from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from megatron.checkpoint.format import read_meta, shard_file, verify_checkpoint
 from megatron.errors import ConfigError
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed

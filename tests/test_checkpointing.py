@@ -14,15 +14,10 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpoint_reshard import read_meta, sha256_file, shard_file, verify_checkpoint
-from megatron.checkpointing import (
-    candidates,
-    find_latest,
-    load_checkpoint,
-    save_checkpoint,
-)
-from megatron.config import Config, padded_vocab_size
-from megatron.config_load import load_config
+from megatron.checkpoint import candidates, find_latest, load_checkpoint, save_checkpoint
+from megatron.checkpoint.format import read_meta, sha256_file, shard_file, verify_checkpoint
+from megatron.config.load import load_config
+from megatron.config.schema import Config, padded_vocab_size
 from megatron.errors import ConfigError
 from megatron.models.gpt import GPTModel
 from megatron.optim.build import build_optimizer
@@ -120,8 +115,8 @@ class Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.messages: list[str] = []
-        logging.getLogger("megatron.checkpointing").addHandler(self)
-        logging.getLogger("megatron.checkpointing").setLevel(logging.INFO)
+        logging.getLogger("megatron.checkpoint.save").addHandler(self)
+        logging.getLogger("megatron.checkpoint.save").setLevel(logging.INFO)
 
     def emit(self, record):
         self.messages.append(record.getMessage())

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megatron.config import (
+from megatron.config.load import load_config, parse_args
+from megatron.config.schema import (
     Config,
     config_reference,
     padded_vocab_size,
@@ -20,10 +21,9 @@ from megatron.config import (
     to_yaml,
     weighted_paths,
 )
-from megatron.config_checks import validate
-from megatron.config_load import load_config, parse_args
 from megatron.data.indexed_dataset import IndexedDatasetWriter
 from megatron.errors import ConfigError
+from megatron.launch.preflight import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

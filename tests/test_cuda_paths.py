@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 from megatron.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.optim.optimizer import MixedPrecisionOptimizer
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy

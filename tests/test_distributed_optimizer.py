@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.config.schema import OptimizerConfig, PrecisionConfig
 from megatron.optim.build import build_optimizer
 from megatron.optim.distributed_optimizer import DistributedOptimizer, assemble
 from megatron.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -172,8 +172,8 @@ def train_tiny_gpt(
     loss scale and, at OVERFLOW_AT, an inf in the last rank's loss (so in its gradients). Per
     step also the parameter all-gathers pending after the first forward and after the step
     (``overlap``: DataParallel's overlap_param_gather)."""
+    from megatron.config.dtypes import DTYPES
     from megatron.models.gpt import GPTModel
-    from megatron.optim.optimizer import DTYPES
     from megatron.parallel.random import RNGTracker
     from tests.model_config import tiny_model_config
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron.checkpoint_reshard import checkpoint_name, optim_file, read_meta, shard_file
-from megatron.checkpointing import load_checkpoint, save_checkpoint
-from megatron.config_load import config_from_dict
+from megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron.checkpoint.format import checkpoint_name, optim_file, read_meta, shard_file
+from megatron.config.load import config_from_dict
 from megatron.errors import ConfigError
 from megatron.interop.ours import serial_model
 from megatron.optim.build import build_optimizer

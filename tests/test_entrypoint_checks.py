@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.config_load import config_from_dict, load_config
+from megatron.config.load import config_from_dict, load_config
 from megatron.data.hdf5_dataset import write_shard
-from megatron.dry_run import dry_run
+from megatron.launch.dry_run import dry_run
 from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 
 BERT_VOCAB = "tests/fixtures/tokenizers/bert-vocab.txt"

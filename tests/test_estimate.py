@@ -21,19 +21,19 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.config import padded_vocab_size
-from megatron.config_load import load_config, parse_args
+from megatron.config.load import load_config, parse_args
+from megatron.config.schema import padded_vocab_size
 from megatron.data.hdf5_dataset import write_shard
 from megatron.data.indexed_dataset import IndexedDatasetWriter, data_path
-from megatron.dry_run import check_indexed, dry_run
 from megatron.errors import ConfigError
-from megatron.estimate import (
+from megatron.estimate.memory import (
     GIB,
     count_parameters,
     estimate_memory,
     fits,
     layer_activation_bytes,
 )
+from megatron.launch.dry_run import check_indexed, dry_run
 from tests.distributed import run_distributed
 from tests.model_config import tiny_model_config
 

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from megatron.checkpointing import load_checkpoint
-from megatron.config import padded_vocab_size
-from megatron.config_load import config_from_dict
+from megatron.checkpoint import load_checkpoint
+from megatron.config.load import config_from_dict
+from megatron.config.schema import padded_vocab_size
 from megatron.inference.loading import build_model, model_type, newest_checkpoint
 from megatron.interop.export import export_hf
 from megatron.interop.hf_tokenizer import tokenizer_note
@@ -206,7 +206,7 @@ def test_bert_exports_match_ours(trained_berts, tmp_path, position, architecture
     assert logit_difference(ours, model, vocab, bert=True) < TOLERANCE
 
     # WordPiece: AutoTokenizer gives our ids (ours adds no special tokens).
-    from megatron.data.tokenizers import build_tokenizer
+    from megatron.data.tokenizers.factory import build_tokenizer
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "Kari tomo enarex, quith strings!"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.flops import flops_per_iteration
+from megatron.estimate.flops import flops_per_iteration
 
 
 @pytest.mark.parametrize("recompute", [False, True])

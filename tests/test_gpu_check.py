@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron.device_peaks import bf16_peak_tflops, mfu
+from megatron.estimate.device_peaks import bf16_peak_tflops, mfu
 from tests.gpt_run import ROOT
 
 STEPS = ["tests", "gpt_bf16", "fp16_loss_scale", "sdpa"]

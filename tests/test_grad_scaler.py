@@ -3,7 +3,7 @@ precision gets."""
 
 from __future__ import annotations
 
-from megatron.config import PrecisionConfig
+from megatron.config.schema import PrecisionConfig
 from megatron.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 
 

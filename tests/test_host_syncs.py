@@ -77,7 +77,8 @@ def _syncs_per_iteration(
     ``optimizer``: the class the run must be using."""
     import importlib
 
-    from megatron import train_loop, training
+    from megatron.training import loop as train_loop
+    from megatron.training import pretrain as training
 
     entry = importlib.import_module(f"pretrain_{model}")
     counter = SyncCounter().install()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.parallel.state import first_slurm_host
+from megatron.parallel.launcher import first_slurm_host
 from tests.distributed import free_port
 from tests.gpt_run import read_metrics, tiny_overrides
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron.run_lock import LOCK_NAME
+from megatron.launch.run_lock import LOCK_NAME
 from tests.gpt_run import ROOT, start_torchrun, tiny_overrides
 from tests.test_preemption import wait_for_iterations, worker_pids
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.config.schema import OptimizerConfig, PrecisionConfig
 from megatron.models.gpt import GPTModel
 from megatron.models.transformer import TransformerLayer
 from megatron.optim.build import build_optimizer

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 from megatron.optim.lr_schedule import LRSchedule
 
 

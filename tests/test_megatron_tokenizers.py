@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, best_dtype
-from megatron.data.tokenizers import TOKENIZER_TYPES, extra_id_tokens
+from megatron.data.tokenizers.factory import TOKENIZER_TYPES, extra_id_tokens
 from tests.fixtures import (
     BERT_VOCAB,
     GPT2_MERGES,

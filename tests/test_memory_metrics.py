@@ -1,6 +1,6 @@
 """What the distributed optimizer and sequence parallelism buy, modelled and measured.
 
-Modelled: megatron/estimate.py's figures for both options against the formulas written out by
+Modelled: megatron/estimate/memory.py's figures for both options against the formulas written out by
 hand for a small config, the dry run's report and hint, and the README's memory table against
 ``memory_table`` (regenerate it with ``regenerate_readme``).
 
@@ -8,7 +8,7 @@ Measured: each rank's memory in the metrics file, the console line and TensorBoa
 run: pretrain_gpt.py under torchrun at DP=2 (bf16, so every parameter has an fp32 main copy).
 
 ``mem_optimizer_mb`` must equal the optimizer's state on every rank, 12 bytes per parameter (fp32
-main copy and two Adam moments) for the parameter count megatron/estimate.py computes (itself
+main copy and two Adam moments) for the parameter count megatron/estimate/memory.py computes (itself
 checked against the model in tests/test_estimate.py); the distributed optimizer must halve it
 at DP=2, up to the padding of its buckets to a multiple of DP. ``mem_peak_mb`` is the peak RSS
 on CPU: above what the process holds now at the first line, and never falling.
@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.config import padded_vocab_size
-from megatron.config_load import load_config
-from megatron.estimate import (
+from megatron.config.load import load_config
+from megatron.config.schema import padded_vocab_size
+from megatron.estimate.memory import (
     count_parameters,
     estimate_memory,
     layer_activation_bytes,
     memory_table,
 )
-from megatron.logging import MB
+from megatron.training.metrics import MB
 from tests.gpt_run import read_metrics, run_pretrain, tiny_overrides
 from tests.test_estimate import SP_VOCAB, _dry
 

@@ -65,7 +65,7 @@ def _scripts() -> list[str]:
 @pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_interpreter():
     targets = _packages() + _scripts()
-    assert "megatron.config_load" in targets and str(ROOT / "tools/checkpoint_util.py") in targets
+    assert "megatron.config.load" in targets and str(ROOT / "tools/checkpoint_util.py") in targets
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # Another directory than the repository's: only PYTHONPATH makes the project importable.
     run = subprocess.run(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.config.schema import OptimizerConfig, PrecisionConfig
 from megatron.errors import ConfigError
 from megatron.optim.build import build_optimizer
 from megatron.optim.grad_scaler import ConstantGradScaler, DynamicGradScaler

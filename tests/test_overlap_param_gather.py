@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megatron.config_checks import validate
+from megatron.launch.preflight import validate
 from tests.distributed import free_port, run_distributed
 from tests.gpt_run import tiny_overrides
 from tests.test_config import error_of, tiny
@@ -87,7 +87,7 @@ def test_overlapped_gathers_train_bit_identically_and_wait_on_first_use():
 
 def _entrypoint_child(runs: list[list[str]], ports: list[int]) -> None:
     import pretrain_gpt
-    from megatron.training import main
+    from megatron.training.pretrain import main
 
     _make_all_gathers_lazy()
     providers = pretrain_gpt.model_provider, pretrain_gpt.datasets_provider

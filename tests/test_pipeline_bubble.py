@@ -25,7 +25,7 @@ from megatron.parallel.pipeline import (
     bubble_fraction,
     interleaved_one_f_one_b,
 )
-from megatron.pipeline_timeline import ideal_bubble, schedule_units
+from megatron.parallel.pipeline.timeline import ideal_bubble, schedule_units
 from tests.distributed import run_distributed
 
 STEPS, WARMUP = 5, 1

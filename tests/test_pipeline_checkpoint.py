@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from megatron.checkpoint_reshard import checkpoint_name, optim_file, read_meta, shard_file
+from megatron.checkpoint.format import checkpoint_name, optim_file, read_meta, shard_file
 from tests.distributed import free_port, run_distributed
 from tests.gpt_run import tiny_overrides
 from tests.test_resume import losses, metric_lines, only_checkpoint, rel
@@ -46,7 +46,7 @@ def _train(runs: list[list[str]], ports: list[int]) -> None:
     """In a spawned rank: ``training.main`` of pretrain_gpt.py for each override list, one after
     another, each on its own rendezvous port (one spawn serves several runs)."""
     import pretrain_gpt
-    from megatron.training import main
+    from megatron.training.pretrain import main
 
     providers = pretrain_gpt.model_provider, pretrain_gpt.datasets_provider
     for overrides, port in zip(runs, ports):

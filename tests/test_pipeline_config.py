@@ -1,11 +1,11 @@
 """Pipeline parallelism before any process starts: the config's checks, the estimate per stage
 and the dry run (issue 14).
 
-The estimate of a small 2-stage config (1F1B and interleaved) is compared with a hand
-computation, term by term; the schedule order the estimate replays (megatron/pipeline_timeline.py)
-is compared with the events of the real schedules run over 4 gloo processes; bad pipeline
-sizes stop the real entrypoint with one line and exit 2 before any process group exists; and the
-shipped 39B config's dry run at TP 8 x PP 2 prints each stage's memory and the bubble.
+The estimate of a small 2-stage config (1F1B and interleaved) is compared with a hand computation,
+term by term; the schedule order the estimate replays (megatron/parallel/pipeline/timeline.py) is
+compared with the events of the real schedules run over 4 gloo processes; bad pipeline sizes stop
+the real entrypoint with one line and exit 2 before any process group exists; and the shipped 39B
+config's dry run at TP 8 x PP 2 prints each stage's memory and the bubble.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.config import padded_vocab_size
-from megatron.config_load import load_config, parse_args
-from megatron.dry_run import dry_run
-from megatron.estimate import GIB, estimate_stages, stage_parameters, worst_stage
+from megatron.config.load import load_config, parse_args
+from megatron.config.schema import padded_vocab_size
+from megatron.estimate.memory import GIB, estimate_stages, stage_parameters, worst_stage
+from megatron.launch.dry_run import dry_run
 from megatron.parallel.pipeline import (
     ActivationSpec,
     PipelineGroup,
     interleaved_one_f_one_b,
     one_f_one_b,
 )
-from megatron.pipeline_timeline import ideal_bubble, in_flight, schedule_units
+from megatron.parallel.pipeline.timeline import ideal_bubble, in_flight, schedule_units
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,8 +25,8 @@ import time
 import pytest
 import torch
 
-from megatron.checkpoint_reshard import checkpoint_name, shard_file, verify_checkpoint
-from megatron.checkpointing import find_latest
+from megatron.checkpoint import find_latest
+from megatron.checkpoint.format import checkpoint_name, shard_file, verify_checkpoint
 from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker
@@ -112,7 +112,7 @@ def _train(runs: list[tuple[str, str, list[str]]], ports: list[int]) -> list[dic
     from megatron.parallel.data_parallel import DataParallel
     from megatron.parallel.pipeline import max_in_flight
     from megatron.parallel.pipeline.stage import PipelineStage
-    from megatron.training import main
+    from megatron.training.pretrain import main
 
     run, finish = PipelineStage.run, DataParallel.finish_grad_sync
     recorded: dict[str, list] = {"in_flight": [], "buckets": []}

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from megatron.checkpoint_reshard import checkpoint_name, read_meta
-from megatron.checkpointing import find_latest
-from megatron.config import TrainingConfig
-from megatron.preemption import ExitPolicy, ExitSignal
+from megatron.checkpoint import find_latest
+from megatron.checkpoint.format import checkpoint_name, read_meta
+from megatron.config.schema import TrainingConfig
+from megatron.training.exit import ExitPolicy, ExitSignal
 from tests.distributed import run_distributed
 from tests.gpt_run import read_metrics, start_torchrun, tiny_overrides
 
@@ -105,8 +105,8 @@ def _train_signalled(overrides: list[str], during: str) -> int:
     """pretrain_gpt's main in this (spawned) rank; rank 1 sends itself SIGUSR1 once, inside its
     first evaluation or inside its first checkpoint write."""
     import pretrain_gpt
-    from megatron import checkpointing
-    from megatron.training import main
+    from megatron.checkpoint import save as checkpointing
+    from megatron.training.pretrain import main
 
     sent = {"done": int(os.environ["RANK"]) != 1}
 

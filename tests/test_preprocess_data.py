@@ -17,7 +17,7 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.sentences import split_sentences
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers.factory import build_tokenizer
 from tests.fixtures.make_tokenizer_fixtures import synthetic_documents
 from tools import preprocess_data
 from tools.make_sample_corpus import write_corpus

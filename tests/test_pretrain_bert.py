@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_bert
-from megatron.config_load import load_config
+from megatron.config.load import load_config
 from megatron.data.hdf5_dataset import write_shard
 from megatron.errors import ConfigError
 from tests.gpt_run import _tool, read_metrics, run_pretrain, tiny_overrides
@@ -123,7 +123,7 @@ def _config(data: dict[str, str], tmp_path: Path, *extra: str):
 
 
 def test_indexed_batches_carry_what_forward_step_reads(bert_data, tmp_path):
-    from megatron.data.tokenizers import build_tokenizer
+    from megatron.data.tokenizers.factory import build_tokenizer
 
     cfg = _config(bert_data, tmp_path)
     tokenizer = build_tokenizer("wordpiece", vocab_file=VOCAB_FILE)

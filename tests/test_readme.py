@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from megatron.config import config_reference
+from megatron.config.schema import config_reference
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- config-reference:start", "<!-- config-reference:end -->"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpoint_reshard import checkpoint_name
-from megatron.checkpointing import find_latest
+from megatron.checkpoint import find_latest
+from megatron.checkpoint.format import checkpoint_name
 from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 
 CONFIG = "configs/gpt_tiny.yaml"
@@ -184,8 +184,8 @@ def kill_in_save() -> None:
     KILL_SAVE="<iteration>|<step prefix>": the process dies before the first file-system step of
     the save of <iteration> whose trace starts with the prefix (see KILL_POINTS).
     """
-    from megatron import checkpointing
-    from megatron.async_checkpoint import Checkpointer
+    from megatron.checkpoint import save as checkpointing
+    from megatron.checkpoint.async_save import Checkpointer
 
     iteration, point = os.environ["KILL_SAVE"].split("|")
     armed = {"on": False}

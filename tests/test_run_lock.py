@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from megatron.checkpointing import find_latest, iterations
+from megatron.checkpoint import find_latest, iterations
 from megatron.errors import ConfigError
+from megatron.launch.run_lock import LOCK_NAME, RunLock
 from megatron.logging import log
-from megatron.run_lock import LOCK_NAME, RunLock
 from tests.gpt_run import ROOT
 
 HOLD = """
 import sys, time
-from megatron.run_lock import RunLock
+from megatron.launch.run_lock import RunLock
 RunLock(sys.argv[1], 60.0)
 print("held", flush=True)
 time.sleep(60)

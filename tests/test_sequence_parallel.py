@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig, padded_vocab_size
-from megatron.config_checks import validate
-from megatron.config_load import load_config
+from megatron.config.load import load_config
+from megatron.config.schema import OptimizerConfig, PrecisionConfig, padded_vocab_size
+from megatron.launch.preflight import validate
 from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
 from megatron.models.transformer import TransformerLayer

@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 
-from megatron.config import DataConfig, TokenizerConfig
-from megatron.config_load import load_config
+from megatron.config.load import load_config
+from megatron.config.schema import DataConfig, TokenizerConfig
 from megatron.data.sidecar import check_data_tokenizer, read_sidecar, sidecar_path
-from megatron.dry_run import dry_run
 from megatron.errors import ConfigError
+from megatron.launch.dry_run import dry_run
 from tests.fixtures import GPT2_MERGES, GPT2_VOCAB, SP_BPE
 from tests.fixtures.make_tokenizer_fixtures import synthetic_documents
 from tests.test_indexed_dataset import _MCORE_READ, run_megatron_core

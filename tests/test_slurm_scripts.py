@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from megatron.parallel.state import launcher_env
+from megatron.parallel.launcher import launcher_env
 from tests.fake_slurm import (
     BERT,
     CONFIG,

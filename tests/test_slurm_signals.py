@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from megatron.checkpoint_reshard import checkpoint_name, read_meta
-from megatron.checkpointing import find_latest
+from megatron.checkpoint import find_latest
+from megatron.checkpoint.format import checkpoint_name, read_meta
 from tests.fake_slurm import (
     CONFIG,
     PROBE,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron.config_load import load_config
+from megatron.config.load import load_config
 from megatron.data.splits import samples_per_split
 from tests.gpt_run import run_pretrain, tiny_overrides
 

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.config import DataConfig
+from megatron.config.schema import DataConfig
 from megatron.data.hdf5_dataset import write_shard
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, data_path
 from megatron.data.sidecar import describe, read_sidecar
 from megatron.data.token_range import _first, _scan, check_data_ids, indexed_ids, spans
-from megatron.data.tokenizers import build_tokenizer
+from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from tests.distributed import run_distributed
 from tests.fixtures import BERT_VOCAB, GPT2_MERGES, GPT2_VOCAB, SP_BPE

@@ -11,17 +11,14 @@ from typing import get_args, get_type_hints
 import numpy as np
 import pytest
 
-from megatron.config import TOKENIZER_FILES, TokenizerConfig
-from megatron.data.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
-from megatron.data.null_tokenizer import NullTokenizer
-from megatron.data.sp_tokenizer import SentencePieceTokenizer
-from megatron.data.tiktokenizer import TikTokenizer
-from megatron.data.tokenizers import (
-    TOKENIZER_TYPES,
-    HFTokenizer,
-    WordPieceTokenizer,
-    build_tokenizer,
-)
+from megatron.config.schema import TOKENIZER_FILES, TokenizerConfig
+from megatron.data.tokenizers.factory import TOKENIZER_TYPES, build_tokenizer
+from megatron.data.tokenizers.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
+from megatron.data.tokenizers.hf import HFTokenizer
+from megatron.data.tokenizers.null import NullTokenizer
+from megatron.data.tokenizers.sentencepiece import SentencePieceTokenizer
+from megatron.data.tokenizers.tiktoken import TikTokenizer
+from megatron.data.tokenizers.wordpiece import WordPieceTokenizer
 from megatron.errors import ConfigError
 from tests.fixtures import (
     BERT_VOCAB,

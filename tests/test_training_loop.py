@@ -18,7 +18,7 @@ CONFIG = "configs/gpt_tiny.yaml"
 
 def _train_with_bad_losses(overrides: list[str], bad: set[int], factor: float) -> int:
     import pretrain_gpt
-    from megatron.training import main
+    from megatron.training.pretrain import main
 
     calls = {"n": 0}
 

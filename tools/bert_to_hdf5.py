@@ -27,7 +27,7 @@ from megatron.data.bert_dataset import BertDataset, BertVocab, masked_count  # n
 from megatron.data.hdf5_dataset import write_shard  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.data.splits import SPLIT_NAMES, split_ranges  # noqa: E402
-from megatron.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron.data.tokenizers.factory import build_tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 
 

@@ -12,7 +12,7 @@ tensor instead. ``--output`` becomes a save directory holding one complete check
 with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size; ``--merge``
 is ``--target-tp 1``: a single tensor file. A checkpoint of several pipeline stages (one file
 per (TP, PP) rank) is always merged across them: the output is at PP = 1, each tensor read from
-the stage that saved it, as training's load reads it (megatron.checkpoint_stages; the tied word
+the stage that saved it, as training's load reads it (megatron.checkpoint.stages; the tied word
 table from the first stage); training loads either at any PP size. Model weights and optimizer
 state are converted exactly; RNG states belong to the old world, so a run resuming from the
 output reseeds them from (seed, iteration), with a warning. ``--weights-only`` drops the
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint_optim_shards import all_optim_layout  # noqa: E402
-from megatron.checkpoint_reshard import (  # noqa: E402
+from megatron.checkpoint import find_latest  # noqa: E402
+from megatron.checkpoint.format import (  # noqa: E402
     META,
     checkpoint_name,
     pp_size_of,
@@ -50,9 +50,10 @@ from megatron.checkpoint_reshard import (  # noqa: E402
     shard_file,
     verify_checkpoint,
 )
-from megatron.checkpoint_stages import open_checkpoint  # noqa: E402
-from megatron.checkpointing import find_latest, publish, write_tensors  # noqa: E402
-from megatron.config import padded_vocab_size  # noqa: E402
+from megatron.checkpoint.optim_shards import all_optim_layout  # noqa: E402
+from megatron.checkpoint.save import publish, write_tensors  # noqa: E402
+from megatron.checkpoint.stages import open_checkpoint  # noqa: E402
+from megatron.config.schema import padded_vocab_size  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 
 

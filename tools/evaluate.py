@@ -51,6 +51,7 @@ from megatron.inference.tasks import (  # noqa: E402
     word_count,
 )
 from megatron.parallel import state as parallel_state  # noqa: E402
+from megatron.parallel.launcher import launcher_env  # noqa: E402
 
 TASKS = ("text", "wikitext", "lambada", "lm")
 
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; a user mistake is one line on rank 0 and exit 2."""
     args = build_parser().parse_args(argv)
-    rank0 = int(parallel_state.launcher_env()["RANK"]) == 0
+    rank0 = int(launcher_env()["RANK"]) == 0
     try:
         result = run(args)
     except ConfigError as err:

@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.config.dtypes import DTYPES  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.loading import (  # noqa: E402
     add_tokenizer_flags,
@@ -26,7 +27,6 @@ from megatron.inference.loading import (  # noqa: E402
 from megatron.interop.export import export_hf  # noqa: E402
 from megatron.interop.hf_tokenizer import tokenizer_note  # noqa: E402
 from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
-from megatron.optim.optimizer import DTYPES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.atomic_file import write_atomic  # noqa: E402
-from megatron.data.tokenizer_base import Tokenizer  # noqa: E402
+from megatron.data.tokenizers.base import Tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.generation import Generation, check_prompts, generate  # noqa: E402
 from megatron.inference.jsonl import read_records  # noqa: E402
@@ -36,6 +36,7 @@ from megatron.inference.loading import (  # noqa: E402
 )
 from megatron.inference.sampling import SamplingParams  # noqa: E402
 from megatron.parallel import state as parallel_state  # noqa: E402
+from megatron.parallel.launcher import launcher_env  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ConfigError as err:
-        if int(parallel_state.launcher_env()["RANK"]) == 0:
+        if int(launcher_env()["RANK"]) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -42,7 +42,7 @@ from megatron.data.preprocess_args import (  # noqa: E402
     tokenizer_options,
 )
 from megatron.data.sidecar import remove_sidecar, tokenizer_record, write_sidecar  # noqa: E402
-from megatron.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron.data.tokenizers.factory import build_tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 
 # Bytes of input per chunk of work: small enough to balance the workers, large enough that

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1
-    from megatron.data.tokenizers import build_tokenizer
+    from megatron.data.tokenizers.factory import build_tokenizer
 
     tok = build_tokenizer("sentencepiece", model=model)
     print(f"wrote {model} ({tok.vocab_size} pieces, eod={tok.eod}, pad={tok.pad})")

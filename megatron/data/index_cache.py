@@ -21,7 +21,7 @@ import torch
 from megatron.atomic_file import write_atomic
 from megatron.data.indexed_dataset import index_path
 from megatron.errors import ConfigError
-from megatron.parallel.state import launcher_env
+from megatron.parallel.launcher import launcher_env
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron.data.indexed_dataset import best_dtype
 from megatron.data.sentences import split_sentences
-from megatron.data.tokenizer_base import Tokenizer
+from megatron.data.tokenizers.base import Tokenizer
 
 
 class BadLine(Exception):

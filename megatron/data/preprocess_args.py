@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron.data.tokenizers import TOKENIZER_TYPES, UNSUPPORTED_TYPES
+from megatron.data.tokenizers.factory import TOKENIZER_TYPES, UNSUPPORTED_TYPES
 from megatron.errors import ConfigError
 
 # dest -> why the flag cannot apply here.

@@ -25,9 +25,9 @@ from functools import cache
 from typing import Any
 
 from megatron.atomic_file import write_atomic
-from megatron.config import DataConfig, TokenizerConfig, weighted_paths
-from megatron.data.tokenizer_base import Tokenizer
-from megatron.data.tokenizers import build_tokenizer, family
+from megatron.config.schema import DataConfig, TokenizerConfig, weighted_paths
+from megatron.data.tokenizers.base import Tokenizer
+from megatron.data.tokenizers.factory import build_tokenizer, family
 from megatron.errors import ConfigError
 
 FORMAT = "megatron-mini dataset sidecar"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from megatron.config import TrainingConfig
+from megatron.config.schema import TrainingConfig
 from megatron.data.blended_dataset import build_blended_dataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import ConfigError

@@ -22,7 +22,7 @@ from functools import partial
 
 import numpy as np
 
-from megatron.config import DataConfig, weighted_paths
+from megatron.config.schema import DataConfig, weighted_paths
 from megatron.data.index_cache import cached_indices, is_cached
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.data.sidecar import describe, read_sidecar

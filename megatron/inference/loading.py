@@ -14,16 +14,17 @@ from typing import Any
 
 from torch import nn
 
-from megatron import checkpointing
-from megatron.checkpoint_reshard import read_meta
-from megatron.config import Config, padded_vocab_size
-from megatron.config_load import config_from_dict
-from megatron.data.tokenizers import Tokenizer, build_tokenizer
+from megatron import checkpoint
+from megatron.checkpoint.format import checkpoint_name, read_meta
+from megatron.config.dtypes import DTYPES
+from megatron.config.load import config_from_dict
+from megatron.config.schema import Config, padded_vocab_size
+from megatron.data.tokenizers.factory import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
-from megatron.optim.optimizer import DTYPES
 from megatron.parallel import state as parallel_state
+from megatron.parallel.launcher import launcher_env
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
@@ -61,12 +62,12 @@ def newest_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str,
     if os.path.isfile(os.path.join(load_dir, "meta.json")):  # one iter_* directory
         return load_dir, read_meta(load_dir)
     if iteration is not None:
-        path = os.path.join(load_dir, checkpointing.checkpoint_name(iteration))
+        path = os.path.join(load_dir, checkpoint_name(iteration))
         if not os.path.isdir(path):
             raise ConfigError(f"--load {load_dir}: no checkpoint of iteration {iteration}")
         return path, read_meta(path)
     try:
-        found = checkpointing.candidates(load_dir)
+        found = checkpoint.candidates(load_dir)
     except ConfigError:
         raise ConfigError(
             f"--load {load_dir}: holds no checkpoint (no latest file, no iter_* directory); "
@@ -74,7 +75,7 @@ def newest_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str,
         ) from None
     problems = []
     for it in found:
-        path = checkpointing.checkpoint_dir(load_dir, it)
+        path = checkpoint.checkpoint_dir(load_dir, it)
         try:
             return path, read_meta(path)
         except ConfigError as e:
@@ -145,7 +146,7 @@ def load_for_inference(
     ``overrides`` (``section.key=value``) apply to the checkpoint's config, e.g. the tokenizer;
     ``dtype`` (fp32, bf16, fp16) replaces the saved ``precision.dtype``.
     """
-    world = int(parallel_state.launcher_env()["WORLD_SIZE"])
+    world = int(launcher_env()["WORLD_SIZE"])
     tp = world if tp_size is None else tp_size
     if tp < 1 or world % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the world size {world}")
@@ -164,7 +165,7 @@ def load_for_inference(
     kind = model_type(meta)
     model = build_model(kind, cfg, tokenizer.vocab_size, padded, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
-    checkpointing.load_checkpoint(
+    checkpoint.load_checkpoint(
         load_dir, model, None, None, None, state, tokenizer.vocab_size, finetune=True
     )
     return Loaded(model.eval(), tokenizer, cfg, state, kind, path)

@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.splits import SPLIT_NAMES, split_ranges
-from megatron.data.tokenizer_base import Tokenizer
+from megatron.data.tokenizers.base import Tokenizer
 from megatron.errors import ConfigError
 from megatron.inference.jsonl import read_records
 

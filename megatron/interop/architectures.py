@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.config import Config
+from megatron.config.schema import Config
 from megatron.errors import ConfigError
 from megatron.interop import bert, gpt2
 from megatron.interop.mapping import Architecture

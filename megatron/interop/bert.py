@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron.config import Config
-from megatron.data.tokenizer_base import Tokenizer
+from megatron.config.schema import Config
+from megatron.data.tokenizers.base import Tokenizer
 from megatron.interop.mapping import (
     ACTIVATION_TO_HF,
     Architecture,

@@ -16,9 +16,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from megatron.checkpoint_reshard import META, verify_checkpoint
-from megatron.config_load import config_from_dict
-from megatron.data.tokenizers import build_tokenizer
+from megatron.checkpoint.format import META, verify_checkpoint
+from megatron.config.dtypes import DTYPES
+from megatron.config.load import config_from_dict
+from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from megatron.inference.loading import model_type, newest_checkpoint
 from megatron.interop.architectures import for_checkpoint
@@ -26,7 +27,6 @@ from megatron.interop.hf_files import HF_DTYPE_NAMES, write_config, write_weight
 from megatron.interop.hf_tokenizer import export_tokenizer
 from megatron.interop.ours import read_full
 from megatron.interop.staging import check_output, staged
-from megatron.optim.optimizer import DTYPES
 
 
 def export_hf(

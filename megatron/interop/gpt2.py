@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.config import Config
-from megatron.data.tokenizer_base import Tokenizer
+from megatron.config.schema import Config
+from megatron.data.tokenizers.base import Tokenizer
 from megatron.errors import ConfigError
 from megatron.interop.mapping import (
     ACTIVATION_TO_HF,

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron.checkpoint_reshard import open_safetensors
-from megatron.checkpointing import write_tensors, write_text
+from megatron.checkpoint.format import open_safetensors
+from megatron.checkpoint.save import write_tensors, write_text
 from megatron.errors import ConfigError
 
 CONFIG = "config.json"

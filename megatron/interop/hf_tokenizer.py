@@ -15,10 +15,10 @@ import os
 import shutil
 from typing import Any
 
-from megatron.config import TokenizerConfig
-from megatron.data.gpt2_bpe import GPT2_EOD
-from megatron.data.tokenizer_base import Tokenizer
-from megatron.data.tokenizers import DEFAULT_EXTRA_IDS, family
+from megatron.config.schema import TokenizerConfig
+from megatron.data.tokenizers.base import Tokenizer
+from megatron.data.tokenizers.factory import DEFAULT_EXTRA_IDS, family
+from megatron.data.tokenizers.gpt2_bpe import GPT2_EOD
 from megatron.errors import ConfigError
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -50,7 +50,7 @@ def tokenizer_note(hf_dir: str) -> str | None:
     return (
         "note: AutoTokenizer cannot express this checkpoint's tokenizer (extra special ids, "
         f"tiktoken or null); its files are copied into {hf_dir} as they are: load them with "
-        "megatron.data.tokenizers.build_tokenizer and the checkpoint's tokenizer settings"
+        "megatron.data.tokenizers.factory.build_tokenizer and the checkpoint's tokenizer settings"
     )
 
 

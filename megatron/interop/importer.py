@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from megatron.checkpoint_reshard import checkpoint_name, read_meta
-from megatron.checkpointing import write_text
-from megatron.config import TokenizerConfig
-from megatron.config_load import config_from_dict
-from megatron.data.tokenizers import build_tokenizer
+from megatron.checkpoint.format import checkpoint_name, read_meta
+from megatron.checkpoint.save import write_text
+from megatron.config.load import config_from_dict
+from megatron.config.schema import TokenizerConfig
+from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from megatron.inference.loading import check_tp, model_type
 from megatron.interop.architectures import from_config_json

@@ -14,19 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megatron.checkpoint_reshard import (
-    FORMAT_VERSION,
-    META,
-    checkpoint_name,
-    shard_file,
-    take_shard,
-    tensor_layout,
-    vocab_params,
-)
-from megatron.checkpoint_stages import open_checkpoint
-from megatron.checkpointing import publish, write_tensors
-from megatron.config import Config, padded_vocab_size, to_dict
-from megatron.config_load import config_from_dict
+from megatron.checkpoint.format import FORMAT_VERSION, META, checkpoint_name, shard_file
+from megatron.checkpoint.reshard import take_shard, tensor_layout, vocab_params
+from megatron.checkpoint.save import publish, write_tensors
+from megatron.checkpoint.stages import open_checkpoint
+from megatron.config.load import config_from_dict
+from megatron.config.schema import Config, padded_vocab_size, to_dict
 from megatron.errors import ConfigError
 from megatron.inference.loading import build_model, model_type
 from megatron.parallel.layers import split_dim

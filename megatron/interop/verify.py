@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron.checkpoint_reshard import read_meta
-from megatron.config_load import config_from_dict
+from megatron.checkpoint.format import read_meta
+from megatron.config.dtypes import DTYPES
+from megatron.config.load import config_from_dict
 from megatron.inference.loading import model_type
 from megatron.interop.hf_files import read_config
 from megatron.interop.ours import load_serial
-from megatron.optim.optimizer import DTYPES
 
 TOLERANCE = 1e-4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.config.schema import OptimizerConfig, PrecisionConfig
 from megatron.optim.distributed_optimizer import DistributedOptimizer
 from megatron.optim.grad_scaler import build_grad_scaler
 from megatron.optim.optimizer import MainParamOptimizer, MixedPrecisionOptimizer

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 from megatron.optim.grad_scaler import GradScaler
 from megatron.optim.optimizer import MainParamOptimizer, check_entries, counts_in_norm, decays
 from megatron.parallel.data_parallel import DataParallel

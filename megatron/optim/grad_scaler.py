@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.config import PrecisionConfig
+from megatron.config.schema import PrecisionConfig
 
 
 class ConstantGradScaler:

@@ -17,7 +17,7 @@ import logging
 import math
 from typing import Any
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -40,16 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.config import OptimizerConfig
+from megatron.config.schema import OptimizerConfig
 from megatron.errors import ConfigError
 from megatron.optim.grad_scaler import GradScaler
 from megatron.parallel.state import ParallelState
 
 if TYPE_CHECKING:
     pass
-
-# The torch dtype of each precision.dtype name.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ fi
 RUN_INFO=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
 import sys
 
-from megatron.config_load import load_config
+from megatron.config.load import load_config
 from megatron.errors import ConfigError
 
 try:

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron.config_load import load_config
-from megatron.device_peaks import bf16_peak_tflops, mfu
-from megatron.estimate import GIB, estimate_memory
-from megatron.logging import Workload
+from megatron.config.load import load_config
+from megatron.estimate.device_peaks import bf16_peak_tflops, mfu
+from megatron.estimate.memory import GIB, estimate_memory
+from megatron.training.metrics import Workload
 from tools.gpu_check.environment import ROOT, device_name
 from tools.gpu_check.runner import run_command
 

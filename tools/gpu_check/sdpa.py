@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker

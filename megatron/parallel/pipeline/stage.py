@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.config import ModelConfig
+from megatron.config.schema import ModelConfig
 from megatron.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megatron.parallel.pipeline.p2p import ActivationSpec
 from megatron.parallel.pipeline.schedules import (
@@ -32,7 +32,7 @@ from megatron.parallel.pipeline.schedules import (
 )
 from megatron.parallel.state import ParallelState
 
-# As megatron.train_loop's (which imports this module): the loop's batch and forward_step.
+# As megatron.training.loop's (which imports this module): the loop's batch and forward_step.
 Batch = dict[str, Tensor]
 ForwardStep = Callable[[Any, Batch], tuple[Tensor, dict[str, Tensor]]]
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megatron.checkpointing import SaveJob, capture, coordination_group, write_and_publish
-from megatron.config import Config
+from megatron.checkpoint.save import SaveJob, capture, coordination_group, write_and_publish
+from megatron.config.schema import Config
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 

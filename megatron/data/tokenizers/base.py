@@ -1,7 +1,7 @@
 """The interface every tokenizer implements, and the file checks the implementations share.
 
-Its own module so that each implementation (``tokenizers``, ``gpt2_bpe``, ``sp_tokenizer``,
-``tiktokenizer``, ``null_tokenizer``) can import it while ``tokenizers.build_tokenizer`` imports
+Its own module so that each implementation (``gpt2_bpe``, ``sentencepiece``, ``tiktoken``,
+``null``, ``wordpiece``, ``hf``) can import it while ``factory.build_tokenizer`` imports
 them all.
 """
 

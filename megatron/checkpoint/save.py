@@ -13,20 +13,20 @@
                                       with PP > 1 one per (TP, PP) rank,
                                       model_optim_tp{t:02d}_pp{p:03d}, by DP rank (p*tp + t) % dp
         optim_tp00_dp000.safetensors  with the distributed optimizer: each (TP, PP, DP) rank's shard
-        ...                           of the optimizer state (megatron.checkpoint_optim_shards);
+        ...                           of the optimizer state (megatron.checkpoint.optim_shards);
                                       the TP files then hold the weights alone
         rng_rank00000.safetensors     each rank's torch CPU/CUDA and TP-tracker states (tensors),
         ...                           python's and numpy's (JSON in the file's header)
 
 Save, in two halves. ``capture`` (on the training thread) takes what this rank writes: live
-tensors for a synchronous save, host copies for a background one (megatron.async_checkpoint).
+tensors for a synchronous save, host copies for a background one (megatron.checkpoint.async_save).
 ``write_and_publish`` (inline, or in the background) does the rest over a gloo group kept for
 checkpoints alone, so no rank ever waits for a save inside an NCCL collective or a group the
 training loop uses: rank 0 draws a nonce; each rank writes and fsyncs its files in
 ``iter_0000100.tmp-<nonce>/``, hashing the bytes as it writes them; rank 0 gathers the sums,
 writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only then replaces
 ``latest``; last it tells every rank how it went. A process killed at any point leaves
-``latest`` naming the previous complete checkpoint. Loading: megatron.checkpoint_load.
+``latest`` naming the previous complete checkpoint. Loading: megatron.checkpoint.load.
 """
 
 from __future__ import annotations
@@ -50,29 +50,20 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from megatron.atomic_file import fsync_path, write_durable
-from megatron.checkpoint_load import (  # noqa: F401  (the public names live here too)
-    LATEST,
-    candidates,
-    checkpoint_dir,
-    find_latest,
-    iterations,
-    load_checkpoint,
-)
-from megatron.checkpoint_optim_shards import is_distributed
-from megatron.checkpoint_optim_shards import shard_tensors as optim_shard_tensors
-from megatron.checkpoint_reshard import (
+from megatron.checkpoint.format import (
     FORMAT_VERSION,
     META,
     checkpoint_name,
     optim_file,
-    padded_vocab,
     rng_file,
     shard_file,
-    shard_tensors,
-    tensor_layout,
 )
-from megatron.checkpoint_rng import rng_state
-from megatron.config import Config, to_dict
+from megatron.checkpoint.load import LATEST, iterations
+from megatron.checkpoint.optim_shards import is_distributed
+from megatron.checkpoint.optim_shards import shard_tensors as optim_shard_tensors
+from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
+from megatron.checkpoint.rng import rng_state
+from megatron.config.schema import Config, to_dict
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 

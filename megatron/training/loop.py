@@ -2,8 +2,8 @@
 clip/step (with the metrics and exit flags in its all-reduce, and the iteration's one host sync at
 its end) -> LR step -> evaluate -> log -> save, and the ``Progress`` a checkpoint carries.
 
-``megatron.training`` builds everything this loop needs and hands it over; nothing here reads the
-launcher or builds a model.
+``megatron.training.pretrain`` builds everything this loop needs and hands it over; nothing
+here reads the launcher or builds a model.
 
 With pipeline parallelism the step's micro-batches go through ``PipelineStage`` (1F1B, or
 interleaved 1F1B with virtual stages) instead of one forward/backward each; the loss, metrics and
@@ -23,18 +23,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.async_checkpoint import Checkpointer
-from megatron.config import Config
-from megatron.logging import LogWindow, MetricsLogger, log, memory_mb
+from megatron.checkpoint.async_save import Checkpointer
+from megatron.config.schema import Config
+from megatron.launch.heartbeat import Heartbeat
+from megatron.logging import log
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.optim.optimizer import MixedPrecisionOptimizer, StepResult
 from megatron.parallel.data_parallel import DataParallel
-from megatron.parallel.heartbeat import Heartbeat
 from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from megatron.parallel.state import ParallelState
-from megatron.preemption import ExitPolicy
+from megatron.training.exit import ExitPolicy
+from megatron.training.metrics import LogWindow, MetricsLogger, memory_mb
 
 Batch = dict[str, Tensor]
 # forward_step(model, batch) -> (loss to minimise, {metric name: detached scalar tensor}); on a

@@ -25,7 +25,7 @@ from types import FrameType
 import torch
 from torch import Tensor
 
-from megatron.config import TrainingConfig
+from megatron.config.schema import TrainingConfig
 from megatron.parallel.state import ParallelState
 
 

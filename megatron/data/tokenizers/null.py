@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron.data.tokenizer_base import Tokenizer, flagged
+from megatron.data.tokenizers.base import Tokenizer, flagged
 from megatron.errors import ConfigError
 
 

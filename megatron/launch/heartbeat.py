@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron.logging import log
-from megatron.parallel.state import launcher_env
+from megatron.parallel.launcher import launcher_env
 
 PEER_FAILURE = 1  # exit code when a peer (or the launcher) died or froze
 LOST = "lost"  # store key: {"rank": N, "message": line} once a watcher found a lost peer

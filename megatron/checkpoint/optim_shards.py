@@ -17,7 +17,7 @@ the flat buffer, the buckets' spans and the DP size; with PP > 1 the files carry
 (``optim_tp{t:02d}_pp{p:03d}_dp{d:03d}``) and ``layouts`` lists one per (PP, TP) rank, stage-major
 (entry ``p * tp_size + t``). Loading turns TP rank t's DP shards back into
 per-parameter entries with ``assemble`` (the format a plain checkpoint's TP file holds under
-``optim/<param>/<field>``) and serves them to checkpoint_reshard's TP-reshard path under those
+``optim/<param>/<field>``) and serves them to reshard's TP-reshard path under those
 same keys: one reshard-on-load path, to any TP/DP size, with the distributed optimizer or without.
 """
 
@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from megatron.checkpoint_reshard import open_safetensors, optim_file, pp_size_of
+from megatron.checkpoint.format import open_safetensors, optim_file, pp_size_of
 from megatron.errors import ConfigError
 from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer, assemble
 
@@ -80,7 +80,7 @@ def all_optim_layout(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
 class OptimShards:
     """The optimizer shard files of one saved pipeline stage of a distributed-optimizer
     checkpoint, read as the per-TP-rank
-    ``optim/<param>/<field>`` tensors of a plain checkpoint (``checkpoint_reshard.ShardedTensors``
+    ``optim/<param>/<field>`` tensors of a plain checkpoint (``reshard.ShardedTensors``
     asks for them by key and saved TP rank).
 
     A TP rank's entries are assembled from all its DP shards at its first read and kept: a rank

@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from megatron.data.tokenizer_base import Tokenizer, flagged, require_file
+from megatron.data.tokenizers.base import Tokenizer, flagged, require_file
 from megatron.errors import ConfigError
 
 # megatron-core's split patterns, named by --tiktoken-pattern.

@@ -7,7 +7,7 @@ optimizer state), equal to the first stage's at every step. meta.json's ``stages
 keys of each stage's files; a key is read from the first saved stage that holds it, so the tied
 copy is always loaded from the first stage's word embedding and the saved last-stage copy is
 never read. A rank of any PP size then asks for the keys its own stage holds, through the same
-TP-reshard path (``checkpoint_reshard.ShardedTensors``) as at PP = 1::
+TP-reshard path (``reshard.ShardedTensors``) as at PP = 1::
 
     saved PP=2:  stage 0 {embedding.*, layers.0-1}      stage 1 {layers.2-3, final norm, word*}
     load  PP=4:  stage 0 <- embedding.*, layers.0 from saved stage 0; ...; stage 3 <- layers.3,
@@ -21,8 +21,9 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron.checkpoint_optim_shards import optim_shards
-from megatron.checkpoint_reshard import ShardedTensors, pp_size_of, stage_files
+from megatron.checkpoint.format import pp_size_of, stage_files
+from megatron.checkpoint.optim_shards import optim_shards
+from megatron.checkpoint.reshard import ShardedTensors
 
 
 def stage_keys(meta: dict[str, Any]) -> list[list[str]]:

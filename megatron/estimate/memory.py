@@ -53,21 +53,20 @@ layer all-gathers its input and keeps the gathered copy for its weight gradient 
 al.'s s*b*h*(34/t + 5as/(ht)) assumes it is gathered again in backward instead). So do the
 final hidden states: the loss path gathers them for the LM head (and BERT's pooler).
 
-**Pipeline parallelism** (``parallel.pipeline_parallel_size`` p, ``virtual_pipeline_size`` v)
-gives stage s of p its L/p layers (interleaved: v chunks of L/(p*v), chunk c being virtual stage
-c*p + s); the first stage also holds the embeddings (word, position, BERT's token types and
-post-LN LayerNorm), the last the final LayerNorm and the heads and, when p > 1, its own copy of
-the word embedding for the tied LM head (as Megatron does, all-reducing the two copies'
-gradients). Weights, gradients and optimizer state follow the stage's parameters. Activations are
-held per micro-batch chunk in flight, from its forward to its backward, in the schedule's order
-(megatron/pipeline_timeline.py: min(p - s, m) micro-batches with 1F1B, the first stage the peak
-at p; interleaved min(2(p-s-1) + (v-1)p + 1, m*v) chunks, Megatron's p*(1 + (p-1)/(p*v))
-stages' worth on the first stage). Each unit holds its chunk's layers' activations (or, with
-full recomputation, their inputs), the first chunk's embedding-side terms, the last chunk's
-head-side terms, and every other chunk its output (e*s*b*h, the tensor sent on), which the
-schedule keeps until the backward. The logits are the last stage's, the tied embedding's
-``.grad`` the first's and the last's. m micro-batches per step, p > 1: the bubble is
-(p - 1)/(m*v) of the busy time.
+**Pipeline parallelism** (``parallel.pipeline_parallel_size`` p, ``virtual_pipeline_size`` v) gives
+stage s of p its L/p layers (interleaved: v chunks of L/(p*v), chunk c being virtual stage c*p + s);
+the first stage also holds the embeddings (word, position, BERT's token types and post-LN
+LayerNorm), the last the final LayerNorm and the heads and, when p > 1, its own copy of the word
+embedding for the tied LM head (as Megatron does, all-reducing the two copies' gradients). Weights,
+gradients and optimizer state follow the stage's parameters. Activations are held per micro-batch
+chunk in flight, from its forward to its backward, in the schedule's order
+(megatron/parallel/pipeline/timeline.py: min(p - s, m) micro-batches with 1F1B, the first stage the
+peak at p; interleaved min(2(p-s-1) + (v-1)p + 1, m*v) chunks, Megatron's p*(1 + (p-1)/(p*v))
+stages' worth on the first stage). Each unit holds its chunk's layers' activations (or, with full
+recomputation, their inputs), the first chunk's embedding-side terms, the last chunk's head-side
+terms, and every other chunk its output (e*s*b*h, the tensor sent on), which the schedule keeps
+until the backward. The logits are the last stage's, the tied embedding's ``.grad`` the first's and
+the last's. m micro-batches per step, p > 1: the bubble is (p - 1)/(m*v) of the busy time.
 
 **Head tokens**: GPT's LM head sees all b*s tokens; BERT's runs on the masked ones only,
 b*n with n = masked_count(s - 3) (every token but [CLS] and two [SEP] maskable: the most a
@@ -78,7 +77,7 @@ cross entropy's fp32 copy (reused for the softmax and the gradient) are alive to
 (e + 4)*tokens*V/t. The tied embedding's ``.grad`` (e*V*h/t) lives from the LM head's backward
 until the embedding's, before the hook moves it into ``main_grad``.
 
-FLOPs come from megatron/flops.py.
+FLOPs come from megatron/estimate/flops.py.
 """
 
 from __future__ import annotations
@@ -87,9 +86,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from megatron.config import Config, ModelConfig
+from megatron.config.schema import Config, ModelConfig
 from megatron.data.bert_dataset import masked_count
-from megatron.pipeline_timeline import peak_held, schedule_units
+from megatron.parallel.pipeline.timeline import peak_held, schedule_units
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from megatron.data.tokenizer_base import Tokenizer, flagged, require_file
+from megatron.data.tokenizers.base import Tokenizer, flagged, require_file
 from megatron.errors import ConfigError
 
 SPM_SEPARATOR = "▁"

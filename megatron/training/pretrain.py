@@ -29,29 +29,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron import checkpointing
-from megatron.config import Config, to_yaml
-from megatron.config_checks import validate
-from megatron.config_load import parse_args
+from megatron import checkpoint
+from megatron.config.dtypes import DTYPES
+from megatron.config.load import parse_args
+from megatron.config.schema import Config, to_yaml
 from megatron.data.loader import build_loader
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import samples_per_split
 from megatron.data.token_range import check_data_ids
-from megatron.data.tokenizers import Tokenizer, build_tokenizer
+from megatron.data.tokenizers.factory import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
-from megatron.logging import MetricsLogger, Workload, log, setup_logging
+from megatron.launch.heartbeat import PEER_FAILURE, Heartbeat
+from megatron.launch.preflight import validate
+from megatron.launch.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
+from megatron.logging import log, setup_logging
 from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import DTYPES
 from megatron.parallel import state as parallel_state
 from megatron.parallel.data_parallel import DataParallel
-from megatron.parallel.heartbeat import PEER_FAILURE, Heartbeat
+from megatron.parallel.launcher import launcher_env
 from megatron.parallel.pipeline.stage import PipelineStage, activation_spec
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from megatron.preemption import ExitPolicy, ExitSignal
-from megatron.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
-from megatron.train_loop import Batch, ForwardStep, Progress, TrainLoop
+from megatron.training.exit import ExitPolicy, ExitSignal
+from megatron.training.loop import Batch, ForwardStep, Progress, TrainLoop
+from megatron.training.metrics import MetricsLogger, Workload
 
 ModelProvider = Callable[[Config, int, int, ParallelState, RNGTracker], nn.Module]
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
@@ -81,12 +83,12 @@ def main(
             )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type=model_type))
         if args.dry_run:
-            from megatron.dry_run import dry_run
+            from megatron.launch.dry_run import dry_run
 
             return dry_run(cfg, args, model_type)
         return pretrain(cfg, model_provider, datasets_provider, forward_step)
     except ConfigError as err:
-        if int(parallel_state.launcher_env()["RANK"]) == 0:
+        if int(launcher_env()["RANK"]) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -98,7 +100,7 @@ def pretrain(
     forward_step: ForwardStep,
 ) -> int:
     """Train as ``cfg`` says; returns the process exit code (3: NaN stop, 1: a peer was lost)."""
-    world_size = int(parallel_state.launcher_env()["WORLD_SIZE"])
+    world_size = int(launcher_env()["WORLD_SIZE"])
     validate(cfg, world_size)  # every user mistake surfaces here, before any collective
     start_time = time.time()
     # Installed before the slow setup: a signal that comes while indices are built is then acted
@@ -217,7 +219,7 @@ def _train(
                 load_dir,
                 cfg.checkpoint.load,
             )
-        saved = checkpointing.load_checkpoint(
+        saved = checkpoint.load_checkpoint(
             load_dir,
             model,
             optimizer,
@@ -290,8 +292,8 @@ def _resume_source(cfg: Config) -> tuple[str | None, bool]:
     """
     ckpt, own = cfg.checkpoint, False
     if ckpt.save and os.path.isdir(ckpt.save):
-        own = checkpointing.find_latest(ckpt.save) is not None
-        own = own or bool(checkpointing.iterations(ckpt.save))
+        own = checkpoint.find_latest(ckpt.save) is not None
+        own = own or bool(checkpoint.iterations(ckpt.save))
     if own and (ckpt.finetune or not ckpt.load):
         return ckpt.save, False
     return ckpt.load, ckpt.finetune

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from megatron.data.tokenizer_base import Tokenizer, require_file
+from megatron.data.tokenizers.base import Tokenizer, require_file
 from megatron.errors import ConfigError
 
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs, other symbols, whitespace.

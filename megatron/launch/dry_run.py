@@ -1,14 +1,14 @@
 """``--dry-run``: check a config, its files and its memory for a world size, before a job queues.
 
-Runs with no GPU and no process group (a login node will do). It validates the config for the
-world size; opens every tokenizer and data file (headers, sizes, and that no token id reaches the
-vocabulary: the check training runs before step 1, megatron/data/token_range.py, reading its
-cached result, or sampling evenly spaced blocks when the data is huge and not yet cached; for
-hdf5 shards, also that each split holds the samples the run draws from it); then
-reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate.py), the FLOPs
-per iteration, and whether the run fits in ``--gpu-memory-gb``. A file that does not exist here
-(the data may live on the cluster only) is named and skipped; a file that exists but is wrong is
-an error. Exit code: 0 when it fits or no GPU size was given, 1 when it does not fit.
+Runs with no GPU and no process group (a login node will do). It validates the config for the world
+size; opens every tokenizer and data file (headers, sizes, and that no token id reaches the
+vocabulary: the check training runs before step 1, megatron/data/token_range.py, reading its cached
+result, or sampling evenly spaced blocks when the data is huge and not yet cached; for hdf5 shards,
+also that each split holds the samples the run draws from it); then reports the parameters, the
+per-GPU memory by kind (formulas in megatron/estimate/memory.py), the FLOPs per iteration, and
+whether the run fits in ``--gpu-memory-gb``. A file that does not exist here (the data may live on
+the cluster only) is named and skipped; a file that exists but is wrong is an error. Exit code: 0
+when it fits or no GPU size was given, 1 when it does not fit.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
-from megatron.config import TOKENIZER_FILES, Config, weighted_paths
-from megatron.config_checks import validate
+from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
-from megatron.estimate import (
+from megatron.estimate.flops import flops_per_iteration
+from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
     RESERVED_FRACTION,
@@ -40,8 +40,8 @@ from megatron.estimate import (
     usable_bytes,
     worst_stage,
 )
-from megatron.flops import flops_per_iteration
-from megatron.pipeline_timeline import ideal_bubble
+from megatron.launch.preflight import validate
+from megatron.parallel.pipeline.timeline import ideal_bubble
 
 # Tokens (or hdf5 rows x seq) read per dataset before the scan switches to evenly spaced blocks
 # (when no cached full scan exists): 2^28 uint16 tokens are 512 MiB, ~1 s from a warm page cache.
@@ -113,7 +113,7 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
     tok = cfg.tokenizer
     files = [getattr(tok, key) for key in TOKENIZER_FILES[tok.type].split()]
     if not any(f in missing for f in files):
-        from megatron.data.tokenizers import build_tokenizer
+        from megatron.data.tokenizers.factory import build_tokenizer
 
         size = build_tokenizer(**vars(tok)).vocab_size
         return size, f"{tok.type} from {', '.join(files)}"

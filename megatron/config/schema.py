@@ -1,8 +1,8 @@
 """The run's configuration schema: documented dataclasses, and the config as plain data.
 
-Loading lives in ``megatron.config_load`` (``load_config`` merges YAML files and overrides,
+Loading lives in ``megatron.config.load`` (``load_config`` merges YAML files and overrides,
 rejects unknown keys with a did-you-mean, type-checks every value, then ``resolve`` fills the
-defaults that depend on other keys) and checking in ``megatron.config_checks`` (``validate``:
+defaults that depend on other keys) and checking in ``megatron.config.checks`` (``validate``:
 every check that needs the world size or the file system, before any process group or data
 work). Both import this module and it imports neither, so any of the three can be a program's
 first import. World-size-dependent values (DP size, micro-batches per step, padded vocabulary)
@@ -283,7 +283,7 @@ class Config:
     def derived(self, world_size: int) -> Derived:
         """DP size, micro-batches per step and vocab padding for ``world_size`` ranks.
 
-        For a config that passed ``config_checks.check_world`` (or ``validate``) at that size.
+        For a config that passed ``config.checks.check_world`` (or ``validate``) at that size.
         """
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         dp = world_size // (tp * pp)

@@ -3,7 +3,7 @@
 megatron/parallel/pipeline runs, on stage s of p with m micro-batches and v model chunks per
 stage, a warm-up of forwards, then one forward and one backward at a time, then the remaining
 backwards; a micro-batch chunk's activations live from the start of its forward to the end of
-its backward. Replaying that order (no tensors, no processes) gives what megatron/estimate.py
+its backward. Replaying that order (no tensors, no processes) gives what megatron/estimate/memory.py
 needs: the most bytes a stage holds at once, and the most micro-batch chunks in flight. With
 1F1B that is min(p - s, m) micro-batches, p on the first stage; interleaved it is
 min(2(p - s - 1) + (v - 1)p + 1, m*v) chunks of 1/v of a stage's layers each (all m*v when

@@ -3,7 +3,7 @@
 Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
 meta.json parses and whose files match their sha256 (each rank hashes a share) is used, with a
 warning for each one passed over. Tensors go through safetensors, the rest is JSON: nothing is
-ever unpickled. ``megatron.checkpointing`` re-exports the public names.
+ever unpickled.
 """
 
 from __future__ import annotations
@@ -19,23 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.checkpoint_reshard import (
+from megatron.checkpoint.format import (
     check_files,
     checkpoint_name,
     missing_file,
     open_safetensors,
     pp_size_of,
     read_meta,
-    read_state,
     rng_file,
 )
-from megatron.checkpoint_rng import reseed, set_rng_state
-from megatron.checkpoint_stages import open_checkpoint
+from megatron.checkpoint.reshard import read_state
+from megatron.checkpoint.rng import reseed, set_rng_state
+from megatron.checkpoint.stages import open_checkpoint
 from megatron.errors import ConfigError
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
-logger = logging.getLogger("megatron.checkpointing")
+logger = logging.getLogger("megatron.checkpoint.save")
 
 LATEST = "latest"
 _ITER = re.compile(r"iter_(\d+)")
@@ -201,7 +201,7 @@ def load_checkpoint(
 
     Returns the saved ``progress`` (with ``iteration``). ``finetune``: weights only, and None,
     since nothing is resumed. A checkpoint saved at another TP or PP size is resharded on the
-    fly (megatron.checkpoint_stages); at another TP/PP/DP size or device the RNG states cannot
+    fly (megatron.checkpoint.stages); at another TP/PP/DP size or device the RNG states cannot
     carry over and are reseeded from (seed, iteration) with a warning. Raises ConfigError naming
     ``checkpoint.load`` when ``load_dir`` is missing or holds no intact checkpoint: a requested
     resume never silently starts fresh.

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from megatron.config import ALL_KEYS, FIELDS, HINTS, SECTIONS, Config, as_number
+from megatron.config.schema import ALL_KEYS, FIELDS, HINTS, SECTIONS, Config, as_number
 from megatron.errors import ConfigError
 
 

@@ -5,11 +5,11 @@ stage p, ``model_optim_tp{t:02d}_pp{p:03d}.safetensors``, when PP > 1) holds tha
 under flat keys: ``model/<state-dict key>`` and ``optim/<param>/<exp_avg|exp_avg_sq|main|step>``.
 A stage's keys are the whole model's names for what it holds (layers keep their global index), so
 meta.json's ``tensors`` is one layout for every stage and ``stages`` lists each stage's keys;
-megatron.checkpoint_stages reads any key from the stage that saved it.
+megatron.checkpoint.stages reads any key from the stage that saved it.
 meta.json's ``tensors`` records, per key, the split dimension (the parameter's ``tp_split_dim``),
 the full shape over all TP ranks, the dtype, and whether its rows are the vocabulary; its
 ``files`` the sha256 of every file. A checkpoint of the distributed optimizer keeps the ``optim/``
-entries in per-(TP, DP) shard files instead (``optim_file``); megatron.checkpoint_optim_shards
+entries in per-(TP, DP) shard files instead (``optim_file``); megatron.checkpoint.optim_shards
 rebuilds them under the same keys, so both kinds are read here alike.
 
 Reading a TP-split tensor saved at TP=a as rank r of TP=c::
@@ -27,134 +27,16 @@ and JSON are ever parsed: nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import Tensor, nn
 
+from megatron.checkpoint.format import open_safetensors
 from megatron.errors import ConfigError
 from megatron.parallel.layers import split_dim
 from megatron.parallel.state import ParallelState
-
-FORMAT_VERSION = 1
-META = "meta.json"
-# What every reader of meta.json relies on.
-_META_KEYS = """iteration progress tp_size dp_size world_size device_type vocab_size seed rng
-    lr_schedule grad_scaler tensors files config""".split()
-
-
-def checkpoint_name(iteration: int) -> str:
-    """``iter_0000100``: the directory of one checkpoint."""
-    return f"iter_{iteration:07d}"
-
-
-def _stage_tag(pp_rank: int, pp_size: int) -> str:
-    # At PP = 1 the names stay those of checkpoints saved before pipeline parallelism.
-    return f"_pp{pp_rank:03d}" if pp_size > 1 else ""
-
-
-def shard_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The tensor file of one (TP, PP) rank's model and optimizer slices."""
-    return f"model_optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}.safetensors"
-
-
-def optim_file(tp_rank: int, dp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The file of one (TP, PP, DP) rank's distributed-optimizer shard."""
-    return f"optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_dp{dp_rank:03d}.safetensors"
-
-
-def pp_size_of(meta: dict[str, Any]) -> int:
-    """The pipeline size a checkpoint was saved at (1 for those saved before PP existed)."""
-    return meta.get("pp_size", 1)
-
-
-def stage_files(meta: dict[str, Any], pp_rank: int) -> list[str]:
-    """The tensor files of one saved pipeline stage, one per saved TP rank."""
-    return [shard_file(t, pp_rank, pp_size_of(meta)) for t in range(meta["tp_size"])]
-
-
-def optim_files(meta: dict[str, Any]) -> list[str]:
-    """The optimizer shard files of a distributed-optimizer checkpoint; [] for any other."""
-    if not meta.get("distributed_optimizer"):
-        return []
-    pp, tp, dp = pp_size_of(meta), meta["tp_size"], meta["dp_size"]
-    return [optim_file(t, d, p, pp) for p in range(pp) for t in range(tp) for d in range(dp)]
-
-
-def rng_file(rank: int) -> str:
-    """The RNG-state file of one global rank."""
-    return f"rng_rank{rank:05d}.safetensors"
-
-
-def sha256_file(path: str) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def read_meta(ckpt_dir: str) -> dict[str, Any]:
-    """meta.json of one checkpoint; ConfigError when missing, unreadable or of another format."""
-    path = os.path.join(ckpt_dir, META)
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path} not found: the checkpoint is incomplete") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is unreadable ({e}); the checkpoint is damaged") from None
-    version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != FORMAT_VERSION:
-        raise ConfigError(f"{path}: format_version {version}, this code reads {FORMAT_VERSION}")
-    absent = [k for k in _META_KEYS if k not in meta]
-    if absent:
-        raise ConfigError(f"{path} lacks {absent}; the checkpoint is damaged")
-    expected = [n for p in range(pp_size_of(meta)) for n in stage_files(meta, p)]
-    expected += optim_files(meta)
-    expected += [rng_file(r) for r in range(meta["world_size"])] if meta["rng"] else []
-    missing = [n for n in expected if n not in meta["files"]]
-    if missing:
-        raise ConfigError(f"{path}: no checksum for {missing[0]}; the checkpoint is incomplete")
-    outside = [n for n in meta["files"] if os.path.basename(n) != n]
-    if outside:
-        raise ConfigError(f"{path} lists {outside[0]}, outside the checkpoint; it is damaged")
-    return meta
-
-
-def missing_file(ckpt_dir: str, meta: dict[str, Any]) -> str | None:
-    """The first file meta.json lists that is absent, as one line naming it; None when all are
-    there. Reads nothing, so every rank can check every file and all ranks agree on the line."""
-    for name in sorted(meta["files"]):
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-    return None
-
-
-def check_files(ckpt_dir: str, meta: dict[str, Any], names: list[str]) -> str | None:
-    """The first of ``names`` that is missing or fails its sha256; None when all are intact."""
-    for name in names:
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-        if sha256_file(path) != meta["files"][name]:
-            return f"{path} does not match its sha256 in meta.json"
-    return None
-
-
-def verify_checkpoint(ckpt_dir: str) -> str | None:
-    """What is wrong with a checkpoint directory (meta.json, any file), or None when intact."""
-    try:
-        meta = read_meta(ckpt_dir)
-    except ConfigError as e:
-        return str(e)
-    return check_files(ckpt_dir, meta, sorted(meta["files"]))
 
 
 def vocab_params(model: nn.Module) -> set[str]:
@@ -234,24 +116,13 @@ def take_shard(
     return full.narrow(split_dim, tp_rank * local, local).clone()
 
 
-def open_safetensors(path: str) -> Any:
-    """A safetensors file opened for reading; ConfigError for anything else (e.g. a pickle)."""
-    try:
-        return safe_open(path, framework="pt")
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(
-            f"{path}: not a valid safetensors file ({e}); refusing to load it (checkpoints are "
-            "never unpickled); restore the file or load another checkpoint"
-        ) from None
-
-
 class ShardedTensors:
     """The per-TP-rank tensor files of one checkpoint (of one saved pipeline stage: its keys
     alone), read as any rank's slice at any TP size.
 
     ``layout`` is meta.json's ``tensors``. Files are opened lazily (safetensors maps them) and
     only those a read needs: at an unchanged TP size, a rank touches only its own file.
-    ``optim`` (a distributed-optimizer checkpoint: ``checkpoint_optim_shards.OptimShards``)
+    ``optim`` (a distributed-optimizer checkpoint: ``optim_shards.OptimShards``)
     serves the ``optim/`` keys of its ``layout``, which ``layout`` must include, per saved TP rank.
     """
 
@@ -308,7 +179,7 @@ def read_state(
     """This rank's model state dict and optimizer entries (``optimizer.load_state_dict``'s
     ``params``; empty without an optimizer), resharded from the checkpoint's TP size to this one.
 
-    ``source``: the checkpoint's tensors (``checkpoint_stages.open_checkpoint``: any key, from
+    ``source``: the checkpoint's tensors (``stages.open_checkpoint``: any key, from
     the saved stage that holds it); ``where``: its directory, for messages. ``model_keys``: the
     state-dict keys of the whole model this rank's stage is part of (default: this model's), to
     refuse a checkpoint holding tensors no stage of it has. Raises ConfigError naming the

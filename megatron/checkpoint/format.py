@@ -1,0 +1,142 @@
+"""A checkpoint directory's names and its meta.json: which files a checkpoint holds, and the checks
+that they are all there and intact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from megatron.errors import ConfigError
+
+FORMAT_VERSION = 1
+
+META = "meta.json"
+
+# What every reader of meta.json relies on.
+_META_KEYS = """iteration progress tp_size dp_size world_size device_type vocab_size seed rng
+    lr_schedule grad_scaler tensors files config""".split()
+
+
+def checkpoint_name(iteration: int) -> str:
+    """``iter_0000100``: the directory of one checkpoint."""
+    return f"iter_{iteration:07d}"
+
+
+def _stage_tag(pp_rank: int, pp_size: int) -> str:
+    # At PP = 1 the names stay those of checkpoints saved before pipeline parallelism.
+    return f"_pp{pp_rank:03d}" if pp_size > 1 else ""
+
+
+def shard_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The tensor file of one (TP, PP) rank's model and optimizer slices."""
+    return f"model_optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}.safetensors"
+
+
+def optim_file(tp_rank: int, dp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The file of one (TP, PP, DP) rank's distributed-optimizer shard."""
+    return f"optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_dp{dp_rank:03d}.safetensors"
+
+
+def pp_size_of(meta: dict[str, Any]) -> int:
+    """The pipeline size a checkpoint was saved at (1 for those saved before PP existed)."""
+    return meta.get("pp_size", 1)
+
+
+def stage_files(meta: dict[str, Any], pp_rank: int) -> list[str]:
+    """The tensor files of one saved pipeline stage, one per saved TP rank."""
+    return [shard_file(t, pp_rank, pp_size_of(meta)) for t in range(meta["tp_size"])]
+
+
+def optim_files(meta: dict[str, Any]) -> list[str]:
+    """The optimizer shard files of a distributed-optimizer checkpoint; [] for any other."""
+    if not meta.get("distributed_optimizer"):
+        return []
+    pp, tp, dp = pp_size_of(meta), meta["tp_size"], meta["dp_size"]
+    return [optim_file(t, d, p, pp) for p in range(pp) for t in range(tp) for d in range(dp)]
+
+
+def rng_file(rank: int) -> str:
+    """The RNG-state file of one global rank."""
+    return f"rng_rank{rank:05d}.safetensors"
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_meta(ckpt_dir: str) -> dict[str, Any]:
+    """meta.json of one checkpoint; ConfigError when missing, unreadable or of another format."""
+    path = os.path.join(ckpt_dir, META)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found: the checkpoint is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); the checkpoint is damaged") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{path}: format_version {version}, this code reads {FORMAT_VERSION}")
+    absent = [k for k in _META_KEYS if k not in meta]
+    if absent:
+        raise ConfigError(f"{path} lacks {absent}; the checkpoint is damaged")
+    expected = [n for p in range(pp_size_of(meta)) for n in stage_files(meta, p)]
+    expected += optim_files(meta)
+    expected += [rng_file(r) for r in range(meta["world_size"])] if meta["rng"] else []
+    missing = [n for n in expected if n not in meta["files"]]
+    if missing:
+        raise ConfigError(f"{path}: no checksum for {missing[0]}; the checkpoint is incomplete")
+    outside = [n for n in meta["files"] if os.path.basename(n) != n]
+    if outside:
+        raise ConfigError(f"{path} lists {outside[0]}, outside the checkpoint; it is damaged")
+    return meta
+
+
+def missing_file(ckpt_dir: str, meta: dict[str, Any]) -> str | None:
+    """The first file meta.json lists that is absent, as one line naming it; None when all are
+    there. Reads nothing, so every rank can check every file and all ranks agree on the line."""
+    for name in sorted(meta["files"]):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+    return None
+
+
+def check_files(ckpt_dir: str, meta: dict[str, Any], names: list[str]) -> str | None:
+    """The first of ``names`` that is missing or fails its sha256; None when all are intact."""
+    for name in names:
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if sha256_file(path) != meta["files"][name]:
+            return f"{path} does not match its sha256 in meta.json"
+    return None
+
+
+def verify_checkpoint(ckpt_dir: str) -> str | None:
+    """What is wrong with a checkpoint directory (meta.json, any file), or None when intact."""
+    try:
+        meta = read_meta(ckpt_dir)
+    except ConfigError as e:
+        return str(e)
+    return check_files(ckpt_dir, meta, sorted(meta["files"]))
+
+
+def open_safetensors(path: str) -> Any:
+    """A safetensors file opened for reading; ConfigError for anything else (e.g. a pickle)."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(
+            f"{path}: not a valid safetensors file ({e}); refusing to load it (checkpoints are "
+            "never unpickled); restore the file or load another checkpoint"
+        ) from None

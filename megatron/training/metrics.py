@@ -1,0 +1,258 @@
+"""Training metrics: the log window, the workload's FLOPs, memory figures, and ``MetricsLogger``,
+which writes each logged iteration to the console, TensorBoard and the JSONL metrics file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron.config.schema import Config
+from megatron.estimate.flops import flops_per_iteration
+from megatron.logging import log
+
+# The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
+# first number after "peak memory (MB): " stays rank 0's, as tools/gpu_check reads it).
+_MEMORY_LABELS = {
+    "mem_optimizer_mb": "optimizer state (MB)",
+    "mem_peak_mb": "peak memory (MB)",
+    "mem_allocated_mb": "memory now (MB)",
+}
+
+MB = 2**20
+
+
+def memory_mb(device: torch.device, optimizer_bytes: int) -> dict[str, float]:
+    """This rank's memory now, in MB (2^20 bytes), read on the host without waiting for the device.
+
+    - ``mem_optimizer_mb``: ``optimizer_bytes``, the optimizer's ``state_bytes()``: fp32 main
+      copies and Adam moments this rank holds (its shard of them, with the distributed optimizer).
+    - ``mem_peak_mb``: on CUDA, ``torch.cuda.max_memory_allocated``: the most the caching
+      allocator has handed out to tensors at once since the start (not what it reserved from the
+      driver, nor the CUDA context); on CPU, the process's peak resident set (``getrusage``
+      ``ru_maxrss``): all RAM it ever held at once, Python, libraries and tensors alike.
+    - ``mem_allocated_mb``: the same now: ``torch.cuda.memory_allocated``, or the resident set.
+    """
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        now = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/statm") as f:  # pages: size, resident, ...
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # Linux reports KiB, and updates its high-water mark lazily: it can lag the RSS now.
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, now)
+    return {
+        "mem_optimizer_mb": optimizer_bytes / MB,
+        "mem_peak_mb": peak / MB,
+        "mem_allocated_mb": now / MB,
+    }
+
+
+class _NullWriter:
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_text(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class LogWindow:
+    """The iterations since the last training line: metric sums (each iteration's value already
+    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps."""
+
+    steps: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: int = 0
+    nans: int = 0
+
+    def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
+        """Count one iteration."""
+        self.steps += 1
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.seconds += seconds
+        self.skipped += skipped
+        self.nans += nan
+
+    def means(self) -> dict[str, float]:
+        """Each metric's mean over the window."""
+        return {name: total / self.steps for name, total in self.sums.items()}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one iteration does, for the throughput fields of a training line."""
+
+    train_iters: int
+    tokens_per_iter: int  # over all ranks
+    flops_per_iter: float  # over all ranks
+    world_size: int
+
+    @classmethod
+    def of(cls, cfg: Config, padded_vocab_size: int, world_size: int) -> Workload:
+        """The work of one iteration of ``cfg``'s model on ``world_size`` devices."""
+        m, t = cfg.model, cfg.training
+        flops = flops_per_iteration(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            ffn_hidden_size=m.ffn_hidden_size,
+            seq_length=m.seq_length,
+            padded_vocab_size=padded_vocab_size,
+            global_batch_size=t.global_batch_size,
+            recompute=m.recompute == "full",
+        )
+        tokens = t.global_batch_size * m.seq_length
+        return cls(t.train_iters, tokens, flops, world_size)
+
+
+class MetricsLogger:
+    """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin), JSON lines, and
+    the console lines of training and validation."""
+
+    def __init__(
+        self,
+        tensorboard_dir: str | None,
+        metrics_file: str | None,
+        enabled: bool,
+        config_text: str,
+        work: Workload,
+    ):
+        self.work = work
+        self.tb: Any = _NullWriter()
+        self.metrics = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            self.tb.add_text("config", f"```yaml\n{config_text}\n```")
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            # Append: a resumed run continues the same file; each line is flushed whole.
+            self.metrics = open(metrics_file, "a", buffering=1)  # noqa: SIM115
+
+    def scalars(self, values: dict[str, float], iteration: int, samples: int) -> None:
+        for name, value in values.items():
+            self.tb.add_scalar(name, value, iteration)
+            self.tb.add_scalar(f"{name} vs samples", value, samples)
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """One JSON line; floats are written with repr precision, so runs compare exactly."""
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(entry) + "\n")
+
+    def training(
+        self,
+        iteration: int,
+        samples: int,
+        window: LogWindow,
+        step: dict[str, float],
+        memory: dict[str, list[float]],
+    ) -> None:
+        """The line for ``window``, which ends at ``iteration`` after ``samples`` samples.
+
+        ``step``: the last step's ``learning rate``, ``loss scale`` and ``grad norm``;
+        ``memory``: each ``memory_mb`` figure of every rank (index: global rank), read after the
+        last step's backward and before its update: a peak covers every earlier update, so at
+        iteration 1 it does not yet hold the Adam moments torch allocates in the first update.
+        """
+        means, work = window.means(), self.work
+        seconds = window.seconds / window.steps
+        tokens_per_s = work.tokens_per_iter / seconds
+        tflops = work.flops_per_iter / seconds / work.world_size / 1e12
+        lr, scale, norm = step["learning rate"], step["loss scale"], step["grad norm"]
+        self.record(
+            {
+                "iteration": iteration,
+                "consumed_samples": samples,
+                **{k.replace(" ", "_"): v for k, v in means.items()},
+                "lr": lr,
+                "grad_norm": norm,
+                "loss_scale": scale,
+                "skipped": window.skipped,
+                "nan": window.nans,
+                "ms_per_iter": 1000 * seconds,
+                "tokens_per_s": tokens_per_s,
+                "tflops": tflops,
+                **memory,
+            }
+        )
+        scalars = {"learning-rate": lr, **means, "loss-scale": scale, "grad-norm": norm}
+        self.scalars({**scalars, "iteration-time": seconds}, iteration, samples)
+        for name, values in memory.items():  # one curve per rank: mem-peak-mb/rank-0, ...
+            for rank, value in enumerate(values):
+                self.tb.add_scalar(f"{name.replace('_', '-')}/rank-{rank}", value, iteration)
+        fields: dict[str, Any] = {
+            "iteration": f"{iteration:8d}/{work.train_iters:8d}",
+            "consumed samples": samples,
+            "elapsed time per iteration (ms)": 1000 * seconds,
+            "tokens/s": tokens_per_s,
+            "TFLOP/s per device": tflops,
+            "learning rate": lr,
+            **means,
+            "loss scale": scale,
+            "grad norm": norm,
+            "skipped iterations": window.skipped,
+            "nan iterations": window.nans,
+            **{_MEMORY_LABELS[k]: "/".join(f"{v:.1f}" for v in vs) for k, vs in memory.items()},
+        }
+        log.info(format_line(fields))
+
+    def validation(
+        self, iteration: int, samples: int, means: dict[str, float], split: str = "validation"
+    ) -> None:
+        """The line of an evaluation on ``split`` (validation, or test): each metric and its
+        perplexity, named ``<metric> <split>``."""
+        values = {}
+        for name, value in means.items():
+            values[f"{name} {split}"] = value
+            values[f"{name} {split} ppl"] = perplexity(value)
+        self.scalars(values, iteration, samples)
+        self.record(
+            {
+                "iteration": iteration,
+                "consumed_samples": samples,
+                **{k.replace(" ", "_"): v for k, v in values.items()},
+            }
+        )
+        log.info("%s at iteration %d | %s", split, iteration, format_line(values))
+
+    def flush(self) -> None:
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) like Megatron so early evaluations stay printable."""
+    return math.exp(min(20.0, loss))
+
+
+def format_line(fields: dict[str, Any]) -> str:
+    """`` key: value | key: value`` with Megatron's number formats."""
+    parts = []
+    for key, value in fields.items():
+        if isinstance(value, float):
+            scientific = ("loss" in key and key != "loss scale") or key == "learning rate"
+            text = f"{value:.6E}" if scientific else f"{value:.2f}"
+        else:
+            text = str(value)
+        parts.append(f"{key}: {text}")
+    return " | ".join(parts)
