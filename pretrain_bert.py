@@ -15,33 +15,8 @@ from megatron.config.schema import Config
 from megatron.data.bert_dataset import BertVocab, build_bert_datasets
 from megatron.data.hdf5_dataset import split_shards
 from megatron.data.tokenizers.factory import Tokenizer
-from megatron.errors import ConfigError
-from megatron.models.bert import BertModel
-from megatron.parallel.random import RNGTracker
-from megatron.parallel.state import ParallelState
 from megatron.training.pretrain import main
-
-
-def model_provider(
-    cfg: Config, vocab_size: int, padded_vocab_size: int, state: ParallelState, tracker: RNGTracker
-) -> nn.Module:
-    b = cfg.bert
-    if 0 < b.num_tokentypes < 2 and b.binary_head != "none":
-        raise ConfigError(
-            f"bert.num_tokentypes={b.num_tokentypes}: sentence pairs have token types 0 and 1; "
-            "use 2 (or 0 for no token-type embedding)"
-        )
-    return BertModel(
-        cfg.model,
-        vocab_size,
-        padded_vocab_size,
-        state,
-        tracker,
-        b.num_tokentypes,
-        b.binary_head,
-        cfg.parallel.sequence_parallel,
-        cfg.parallel.virtual_pipeline_size or 1,  # this pipeline stage's model chunks
-    )
+from megatron.training.reduction import LossSums
 
 
 def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int]):
@@ -63,9 +38,10 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
     )
 
 
-def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Masked-LM loss (mean over masked tokens) plus the binary head's cross entropy; on a
-    pipeline stage whose output goes on to the next, that output and no metrics."""
+def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tensor:
+    """The masked-LM loss summed over the masked tokens, and the binary head's cross entropy
+    summed over the samples, each with its count; on a pipeline stage whose output goes on to the
+    next, that output."""
     lm, binary = model(
         batch["text"],
         batch["types"],
@@ -74,14 +50,14 @@ def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, di
         masked_positions=batch["masked_positions"],  # a fixed width: no host sync for the head
     )  # [b, s] fp32, [b, 2]; or the activation for the next stage, None
     if not model.computes_loss:
-        return lm, {}
+        return lm
     mask = batch["loss_mask"]
-    lm_loss = (lm * mask).sum() / mask.sum()
-    if binary is None:
-        return lm_loss, {"lm loss": lm_loss.detach()}
-    binary_loss = F.cross_entropy(binary.float(), batch["is_random"])
-    metrics = {"lm loss": lm_loss.detach(), f"{model.binary_task} loss": binary_loss.detach()}
-    return lm_loss + binary_loss, metrics
+    losses = {"lm loss": ((lm * mask).sum(), mask.sum())}
+    if binary is not None:
+        labels = batch["is_random"]
+        total = F.cross_entropy(binary.float(), labels, reduction="sum")
+        losses[f"{model.binary_task} loss"] = (total, labels.numel())
+    return losses
 
 
 if __name__ == "__main__":
@@ -89,7 +65,6 @@ if __name__ == "__main__":
         main(
             sys.argv[1:],
             "Pretrain a tensor-parallel BERT.",
-            model_provider,
             datasets_provider,
             forward_step,
             model_type="bert",

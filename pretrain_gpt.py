@@ -13,20 +13,8 @@ from torch import Tensor, nn
 from megatron.config.schema import Config
 from megatron.data.gpt_dataset import build_gpt_datasets
 from megatron.data.tokenizers.factory import Tokenizer
-from megatron.models.gpt import GPTModel
-from megatron.parallel.random import RNGTracker
-from megatron.parallel.state import ParallelState
 from megatron.training.pretrain import main
-
-
-def model_provider(
-    cfg: Config, vocab_size: int, padded_vocab_size: int, state: ParallelState, tracker: RNGTracker
-) -> nn.Module:
-    p = cfg.parallel
-    chunks = p.virtual_pipeline_size or 1  # this pipeline stage's model chunks
-    return GPTModel(
-        cfg.model, vocab_size, padded_vocab_size, state, tracker, p.sequence_parallel, chunks
-    )
+from megatron.training.reduction import LossSums
 
 
 def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int, int, int]):
@@ -45,9 +33,9 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
     )
 
 
-def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean per-token loss over the tokens the loss mask keeps; on a pipeline stage whose output
-    goes on to the next, that output and no metrics."""
+def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tensor:
+    """The per-token loss summed over the tokens the loss mask keeps, and their count; on a
+    pipeline stage whose output goes on to the next, that output."""
     output = model(
         batch["tokens"],
         batch["position_ids"],
@@ -55,11 +43,9 @@ def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, di
         labels=batch["labels"],
     )  # [b, s] fp32 losses, or the activation for the next stage
     if not model.computes_loss:
-        return output, {}
-    losses = output
+        return output
     mask = batch["loss_mask"]
-    loss = (losses * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    return {"lm loss": ((output * mask).sum(), mask.sum())}
 
 
 if __name__ == "__main__":
@@ -67,7 +53,6 @@ if __name__ == "__main__":
         main(
             sys.argv[1:],
             "Pretrain a tensor-parallel GPT.",
-            model_provider,
             datasets_provider,
             forward_step,
             model_type="gpt",

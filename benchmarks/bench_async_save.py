@@ -20,7 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -28,13 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.async_save import Checkpointer  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
-from megatron.models.gpt import GPTModel  # noqa: E402
+from megatron.models.build import build_model  # noqa: E402
 from megatron.optim.build import build_optimizer  # noqa: E402
 from megatron.optim.lr_schedule import LRSchedule  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402
-from megatron.training.loop import Progress  # noqa: E402
 from megatron.training.metrics import MetricsLogger, Workload  # noqa: E402
+from megatron.training.train_state import Progress, TrainState  # noqa: E402
 
 VOCAB = 32000
 CONFIG = """
@@ -61,7 +60,7 @@ def main() -> None:
         state = initialize(1)
         tracker = RNGTracker(state.device)
         tracker.seed(cfg.training.seed, state.tp_rank)
-        model = GPTModel(cfg.model, VOCAB, VOCAB, state, tracker).to(state.device)
+        model = build_model("gpt", cfg, VOCAB, VOCAB, state, tracker).to(state.device)
         optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state)
         schedule = LRSchedule.from_config(cfg.optimizer)
         params = sum(p.numel() for p in model.parameters())
@@ -86,11 +85,8 @@ def main() -> None:
             saves = Checkpointer(background, metrics.record)
             for _ in range(args.saves):
                 iteration += 1
-                progress = asdict(Progress(iteration=iteration))
-                saves.save(
-                    cfg.checkpoint.save, iteration, model, optimizer, schedule, tracker,
-                    progress, cfg, state, VOCAB,
-                )  # fmt: skip
+                train = TrainState(model, optimizer, schedule, tracker, Progress(iteration))
+                saves.save(cfg.checkpoint.save, train, cfg, state, VOCAB)
                 steps[background].append(step())
                 saves.wait()
         metrics.close()

@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
-from megatron.config.schema import ModelConfig, padded_vocab_size  # noqa: E402
-from megatron.models.gpt import GPTModel  # noqa: E402
+from megatron.config.load import load_config  # noqa: E402
+from megatron.config.schema import padded_vocab_size  # noqa: E402
+from megatron.models.build import build_model  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402
 
@@ -33,24 +35,19 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 32000, 256, 8
 SEED = 1234
 
 
-def build_ours() -> GPTModel:
+def build_ours() -> torch.nn.Module:
     """Our GPT on a world of one, dropout off (the plain model has none)."""
     state = initialize(1)
-    cfg = ModelConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        seq_length=SEQ,
-        # A bare ModelConfig leaves these None until config.resolve(); the model needs numbers.
-        max_position_embeddings=SEQ,
-        ffn_hidden_size=4 * HIDDEN,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    shape = {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS}
+    shape |= {"seq_length": SEQ, "max_position_embeddings": SEQ}
+    shape |= {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    # The tiny config's other model keys are the defaults: only this shape is set.
+    overrides = [f"model.{key}={value}" for key, value in shape.items()]
+    cfg = load_config([os.path.join(ROOT, "configs", "gpt_tiny.yaml")], overrides)
     tracker = RNGTracker(state.device)
     tracker.seed(SEED, state.tp_rank)
-    padded = padded_vocab_size(VOCAB, cfg.make_vocab_size_divisible_by, 1)
-    return GPTModel(cfg, VOCAB, padded, state, tracker)
+    padded = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, 1)
+    return build_model("gpt", cfg, VOCAB, padded, state, tracker)
 
 
 def synchronize() -> None:

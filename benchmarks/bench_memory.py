@@ -80,15 +80,13 @@ def bench_config(dtype: str, tp: int, distributed: bool, sequence: bool, dropout
 def _build(cfg: Config, state) -> nn.Module:
     """The GPT of ``cfg`` on ``state``'s TP group, in the config's dtype, as training builds it."""
     from megatron.config.dtypes import DTYPES
-    from megatron.models.gpt import GPTModel
+    from megatron.models.build import build_model
     from megatron.parallel.random import RNGTracker
 
     tracker = RNGTracker(state.device)
     tracker.seed(cfg.training.seed, state.tp_rank)
     padded = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, state.tp_size)
-    model = GPTModel(
-        cfg.model, VOCAB, padded, state, tracker, sequence_parallel=cfg.parallel.sequence_parallel
-    )
+    model = build_model("gpt", cfg, VOCAB, padded, state, tracker)
     return model.to(DTYPES[cfg.precision.dtype]).train()
 
 

@@ -134,7 +134,7 @@ class LayerChunk(nn.Module):
 
 
 def build_layers(shape: Shape) -> list[nn.Module]:
-    """Every layer of the model, drawn in order from one seed (the same weights in any process)."""
+    """Every layer of the model, each from its own stream (the same weights in any process)."""
     cfg = shape.model_config()
     state = ParallelState.serial(torch.device("cpu"))
     tracker = RNGTracker(state.device)

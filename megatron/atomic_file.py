@@ -17,18 +17,31 @@ def fsync_path(path: str) -> None:
 
 
 def write_atomic(path: str, write: Callable[[str], None]) -> None:
-    """``write(tmp)``, fsync, rename onto ``path``: ``path`` is either absent or complete.
+    """``write(tmp)``, fsync, rename onto ``path``, fsync its directory: ``path`` is either
+    absent or complete, and stays so through a power loss.
 
     Host and pid go in the temporary name: several nodes may write into one shared directory.
     """
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         write(tmp)
         fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(os.path.dirname(path) or ".")
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_contents(path: str, contents: str | bytes) -> None:
+    """``contents`` (text as UTF-8) as the whole file ``path``, through ``write_atomic``."""
+    data = contents.encode("utf-8") if isinstance(contents, str) else contents
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    write_atomic(path, write)
 
 
 def write_durable(path: str, data: bytes) -> None:

@@ -3,16 +3,17 @@
 import os
 import sys
 
-import torch
+# Before torch is imported: its OpenMP pool reads this once, and every process a test starts
+# inherits it (processes x threads <= the 2 cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from megatron.checkpoint import find_latest, load_checkpoint
 from megatron.checkpoint import save as checkpointing
 from megatron.checkpoint.async_save import Checkpointer
 from megatron.parallel.state import initialize
+from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
 
@@ -19,17 +20,21 @@ from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, 
 def _save_then_fail(cfg, save_dir):
     st = initialize(1)  # TP=1 x DP=2
     model, optimizer, schedule, tracker = build(cfg, st)
-    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    rest = (cfg, st, VOCAB)
+
+    def at(iteration: int) -> TrainState:
+        return TrainState(model, optimizer, schedule, tracker, Progress(iteration=iteration))
+
     lines = []
     saves = Checkpointer(True, lines.append)
     train(model, optimizer, schedule, 1, seed=1)
     saved = snapshot(model)
-    saves.save(save_dir, 1, *args)
+    saves.save(save_dir, at(1), *rest)
     train(model, optimizer, schedule, 1, seed=2)  # while iteration 1 is being written
     saves.wait()
-    probe = build(cfg, st, seed=5)
-    load_checkpoint(save_dir, *probe, st, VOCAB)
-    loaded_ok = same(snapshot(probe[0]), saved)
+    probe = TrainState(*build(cfg, st, seed=5))
+    load_checkpoint(save_dir, probe, st, VOCAB)
+    loaded_ok = same(snapshot(probe.model), saved)
 
     real_write = checkpointing.write_durable
     if st.rank == 1:  # this rank's disk is full for saves 2 and 3, in the background thread
@@ -39,15 +44,15 @@ def _save_then_fail(cfg, save_dir):
 
         checkpointing.write_durable = full
     errors = []
-    for it, surface in ((2, saves.wait), (3, lambda: saves.save(save_dir, 4, *args))):
-        saves.save(save_dir, it, *args)
+    for it, surface in ((2, saves.wait), (3, lambda: saves.save(save_dir, at(4), *rest))):
+        saves.save(save_dir, at(it), *rest)
         try:
             surface()
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}")
         errors.append(find_latest(save_dir))
     checkpointing.write_durable = real_write
-    saves.save(save_dir, 5, *args)
+    saves.save(save_dir, at(5), *rest)
     saves.wait()
     return lines, loaded_ok, errors, find_latest(save_dir), sorted(os.listdir(save_dir))
 

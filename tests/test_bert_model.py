@@ -260,7 +260,6 @@ def _dry_run_params(capsys, *overrides: str) -> int:
     rc = main(
         argv,
         "",
-        pretrain_bert.model_provider,
         pretrain_bert.datasets_provider,
         pretrain_bert.forward_step,
         model_type="bert",

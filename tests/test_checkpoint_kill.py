@@ -18,6 +18,7 @@ from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron.checkpoint import save as checkpointing
 from megatron.checkpoint.async_save import Checkpointer
 from megatron.parallel.state import initialize
+from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
 
@@ -54,7 +55,7 @@ def _trace_save(save_dir, args, kill_at: int | None, background: bool = False) -
     checkpointing.serialize = lambda *a, **k: stepped.wait() and serialize(*a, **k)
     saves = Checkpointer(True, lambda _: None)
     saves.save(save_dir, *args)
-    train(*args[1:4], 1, seed=9)
+    train(args[0].model, args[0].optimizer, args[0].schedule, 1, seed=9)
     stepped.set()
     saves.wait()
     return trace
@@ -72,7 +73,7 @@ def _in_child(fn) -> int:
 
 
 def _kill_each_step(
-    save_dir: str, args: tuple, expect, probe: tuple, st, points: int | None = None
+    save_dir: str, args: tuple, expect, probe: TrainState, st, points: int | None = None
 ) -> list[str]:
     """Trace one save of ``args``; then, from the same starting directory, kill a save before each
     of its steps and check what ``latest`` names and what loads: ``expect(trace, kill_at)`` gives
@@ -100,8 +101,9 @@ def _kill_each_step(
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, where
         iteration, weights = expect(trace, kill_at)
         assert find_latest(save_dir) == iteration, where
-        assert load_checkpoint(save_dir, *probe, st, VOCAB)["iteration"] == iteration, where
-        assert same(snapshot(probe[0]), weights), where
+        load_checkpoint(save_dir, probe, st, VOCAB)
+        assert probe.progress.iteration == iteration, where
+        assert same(snapshot(probe.model), weights), where
     shutil.rmtree(pristine)
     return trace
 
@@ -113,13 +115,16 @@ def _step(trace: list[str], prefix: str, suffix: str) -> int:
 def _kill_during_save(cfg, root):
     st = initialize(1)
     model, optimizer, schedule, tracker = build(cfg, st)
-    probe = build(cfg, st, seed=7)
+    probe = TrainState(*build(cfg, st, seed=7))
     save_dir = os.path.join(root, "ckpt")
-    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    at = {
+        it: TrainState(model, optimizer, schedule, tracker, Progress(iteration=it)) for it in (1, 2)
+    }
+    rest = (cfg, st, VOCAB)
     states = {}
     train(model, optimizer, schedule, 1, seed=1)
     states[1] = snapshot(model)
-    save_checkpoint(save_dir, 1, *args)
+    save_checkpoint(save_dir, at[1], *rest)
     train(model, optimizer, schedule, 1, seed=2)
     states[2] = snapshot(model)
 
@@ -127,8 +132,8 @@ def _kill_during_save(cfg, root):
         new = kill_at > _step(trace, "replace", " latest")
         return (2, states[2]) if new else (1, states[1])
 
-    traces = [_kill_each_step(save_dir, (2, *args), over_1, probe, st)]
-    save_checkpoint(save_dir, 2, *args)
+    traces = [_kill_each_step(save_dir, (at[2], *rest), over_1, probe, st)]
+    save_checkpoint(save_dir, at[2], *rest)
     train(model, optimizer, schedule, 1, seed=3)
     states[3] = snapshot(model)
 
@@ -136,9 +141,9 @@ def _kill_during_save(cfg, root):
         new = kill_at > _step(trace, "rename iter_0000002.tmp-", " iter_0000002")
         return 2, states[3] if new else states[2]
 
-    traces.append(_kill_each_step(save_dir, (2, *args), over_2, probe, st))
+    traces.append(_kill_each_step(save_dir, (at[2], *rest), over_2, probe, st))
     # The next complete save clears whatever the killed ones left behind.
-    save_checkpoint(save_dir, 2, *args)
+    save_checkpoint(save_dir, at[2], *rest)
     return traces, sorted(os.listdir(save_dir))
 
 
@@ -159,12 +164,15 @@ def test_sigkill_at_every_step_of_a_save_keeps_the_previous_checkpoint(tmp_path)
 def _kill_background_save(cfg, root):
     st = initialize(1)
     model, optimizer, schedule, tracker = build(cfg, st)
-    probe = build(cfg, st, seed=7)
+    probe = TrainState(*build(cfg, st, seed=7))
     save_dir = os.path.join(root, "ckpt")
-    args = (model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    at = {
+        it: TrainState(model, optimizer, schedule, tracker, Progress(iteration=it)) for it in (1, 2)
+    }
+    rest = (cfg, st, VOCAB)
     train(model, optimizer, schedule, 1, seed=1)
     before = snapshot(model)
-    save_checkpoint(save_dir, 1, *args)
+    save_checkpoint(save_dir, at[1], *rest)
     train(model, optimizer, schedule, 1, seed=2)
     saved = snapshot(model)
 
@@ -172,7 +180,7 @@ def _kill_background_save(cfg, root):
         new = kill_at > _step(trace, "replace", " latest")
         return (2, saved) if new else (1, before)
 
-    return _kill_each_step(save_dir, (2, *args), over_1, probe, st, points=10)
+    return _kill_each_step(save_dir, (at[2], *rest), over_1, probe, st, points=10)
 
 
 @pytest.mark.slow

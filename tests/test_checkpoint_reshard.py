@@ -17,6 +17,7 @@ from megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import read_meta
 from megatron.checkpoint.reshard import merge_shards, take_shard
 from megatron.parallel.state import initialize
+from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import (
     VOCAB,
@@ -38,8 +39,9 @@ def _save(cfgs, dirs, tp):
         model, optimizer, schedule, tracker = build(cfg, st)
         # The same batches on every DP rank: replicas stay equal without a DP wrapper.
         train(model, optimizer, schedule, 2, seed=0)
-        progress = {"iteration": 2, "consumed_train_samples": 4}
-        save_checkpoint(save_dir, 2, model, optimizer, schedule, tracker, progress, cfg, st, VOCAB)
+        progress = Progress(iteration=2, consumed_train_samples=4)
+        train_state = TrainState(model, optimizer, schedule, tracker, progress)
+        save_checkpoint(save_dir, train_state, cfg, st, VOCAB)
         out.append((gathered(model, optimizer, st), logits(model, st)))
     return out
 
@@ -50,7 +52,9 @@ def _load(cfgs, dirs, tp):
     out = []
     for cfg, save_dir in zip(cfgs, dirs):
         model, optimizer, schedule, tracker = build(cfg, st, seed=77)
-        progress = load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+        loaded = TrainState(model, optimizer, schedule, tracker)
+        load_checkpoint(save_dir, loaded, st, VOCAB)
+        progress = loaded.progress
         word = gather_param(model.embedding.word.weight.detach(), 0, st.tp_group)
         padding = [word[VOCAB:]] + [
             gather_param(entry[f].detach(), 0, st.tp_group)[VOCAB:]
@@ -69,7 +73,7 @@ def _load(cfgs, dirs, tp):
 def _check(saved, loaded, logits_tol: float | None):
     """Progress, schedule and every tensor bit-exact; logits within ``logits_tol`` (0: exact)."""
     (ref_state, ref_logits), (progress, state, out, steps) = saved, loaded
-    assert progress == {"iteration": 2, "consumed_train_samples": 4} and steps == 2
+    assert progress == Progress(iteration=2, consumed_train_samples=4) and steps == 2
     assert same(state, ref_state)
     if logits_tol == 0:
         assert torch.equal(out, ref_logits)

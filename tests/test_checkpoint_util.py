@@ -17,6 +17,7 @@ from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import read_meta, shard_file, verify_checkpoint
 from megatron.errors import ConfigError
 from megatron.parallel.state import initialize
+from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, gathered, logits, same, tiny_config, train
 from tests.test_layers import close
@@ -29,14 +30,15 @@ def _save(cfg, save_dir):
     st = initialize(2)
     model, optimizer, schedule, tracker = build(cfg, st)
     train(model, optimizer, schedule, 2, seed=0)
-    save_checkpoint(save_dir, 2, model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    train_state = TrainState(model, optimizer, schedule, tracker, Progress(iteration=2))
+    save_checkpoint(save_dir, train_state, cfg, st, VOCAB)
     return gathered(model, optimizer, st), logits(model, st)
 
 
 def _load(cfg, save_dir):
     st = initialize(1)
     model, optimizer, schedule, tracker = build(cfg, st, seed=77)
-    load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+    load_checkpoint(save_dir, TrainState(model, optimizer, schedule, tracker), st, VOCAB)
     return gathered(model, optimizer, st), logits(model, st)
 
 
@@ -136,9 +138,10 @@ def _load_weights(cfg, save_dir):
     """A fine-tune's load (weights only), then the full resume that must refuse the file."""
     st = initialize(1)
     model, optimizer, schedule, tracker = build(cfg, st, seed=77)
-    load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB, finetune=True)
+    train_state = TrainState(model, optimizer, schedule, tracker)
+    load_checkpoint(save_dir, train_state, st, VOCAB, finetune=True)
     with pytest.raises(ConfigError, match="holds weights only, no optimizer state"):
-        load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+        load_checkpoint(save_dir, train_state, st, VOCAB)
     return {k: v for k, v in gathered(model, optimizer, st).items() if k.startswith("model")}
 
 

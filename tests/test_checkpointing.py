@@ -24,6 +24,7 @@ from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import initialize
+from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_layers import gather_param
 
@@ -126,18 +127,21 @@ def _resume_same_world(cfg, save_dir):
     st = initialize(2)
     model, optimizer, schedule, tracker = build(cfg, st)
     train(model, optimizer, schedule, 3, seed=0)
-    progress = {"iteration": 3, "consumed_train_samples": 6, "skipped_iters": 0}
-    save_checkpoint(save_dir, 3, model, optimizer, schedule, tracker, progress, cfg, st, VOCAB)
+    progress = Progress(iteration=3, consumed_train_samples=6, skipped_iters=0)
+    save_checkpoint(
+        save_dir, TrainState(model, optimizer, schedule, tracker, progress), cfg, st, VOCAB
+    )
     straight = train(model, optimizer, schedule, 3, seed=3)
     final = gathered(model, optimizer, st)
     scaler, steps = optimizer.scaler.state_dict(), schedule.num_steps
 
     model, optimizer, schedule, tracker = build(cfg, st, seed=99)
-    loaded = load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+    loaded = TrainState(model, optimizer, schedule, tracker)
+    load_checkpoint(save_dir, loaded, st, VOCAB)
     resumed = train(model, optimizer, schedule, 3, seed=3)
     assert same(gathered(model, optimizer, st), final)
     assert optimizer.scaler.state_dict() == scaler and schedule.num_steps == steps
-    return straight, resumed, loaded, scaler
+    return straight, resumed, loaded.progress, scaler
 
 
 @pytest.mark.slow
@@ -155,7 +159,7 @@ def test_resume_at_same_world_is_bit_exact(tmp_path):
     save_dir = str(tmp_path / "ckpt")
     for straight, resumed, loaded, scaler in run_distributed(_resume_same_world, 2, cfg, save_dir):
         assert straight == resumed
-        assert loaded == {"iteration": 3, "consumed_train_samples": 6, "skipped_iters": 0}
+        assert loaded == Progress(iteration=3, consumed_train_samples=6, skipped_iters=0)
         assert scaler["scale"] > 1024  # the scale grew, so its restore was exercised
     ckpt = tmp_path / "ckpt" / "iter_0000003"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000003", "latest"]
@@ -186,12 +190,14 @@ def _keep_last_and_resave(cfg, save_dir):
             os.makedirs(os.path.join(save_dir, "iter_0000004.tmp-00ab"), exist_ok=True)
             open(os.path.join(save_dir, "latest.tmp-123"), "w").close()
         train(model, optimizer, schedule, 1, seed=it)
-        progress = {"iteration": it}
-        save_checkpoint(save_dir, it, model, optimizer, schedule, tracker, progress, cfg, st, VOCAB)
+        progress = Progress(iteration=it)
+        save_checkpoint(
+            save_dir, TrainState(model, optimizer, schedule, tracker, progress), cfg, st, VOCAB
+        )
         listings.append(sorted(os.listdir(save_dir)))
     final = snapshot(model)
     model, optimizer, schedule, tracker = build(cfg, st, seed=3)
-    load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+    load_checkpoint(save_dir, TrainState(model, optimizer, schedule, tracker), st, VOCAB)
     assert same(snapshot(model), final)  # the second save of iteration 3 replaced the first
     return listings
 
@@ -213,8 +219,10 @@ def _fallback_and_finetune(cfg, save_dir):
     for it in (1, 2):
         train(model, optimizer, schedule, 1, seed=it)
         states[it] = snapshot(model)
-        progress = {"iteration": it}
-        save_checkpoint(save_dir, it, model, optimizer, schedule, tracker, progress, cfg, st, VOCAB)
+        progress = Progress(iteration=it)
+        save_checkpoint(
+            save_dir, TrainState(model, optimizer, schedule, tracker, progress), cfg, st, VOCAB
+        )
     log = Records()
     out = {}
     newest = os.path.join(save_dir, "iter_0000002")
@@ -229,21 +237,24 @@ def _fallback_and_finetune(cfg, save_dir):
         harm()
         model, optimizer, schedule, tracker = build(cfg, st, seed=5)
         log.messages.clear()
-        loaded = load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
-        assert loaded["iteration"] == 1 and same(snapshot(model), states[1]), what
+        loaded = TrainState(model, optimizer, schedule, tracker)
+        load_checkpoint(save_dir, loaded, st, VOCAB)
+        assert loaded.progress.iteration == 1 and same(snapshot(model), states[1]), what
         out[what] = list(log.messages)
         shutil.rmtree(newest, ignore_errors=True)
         shutil.copytree(backup, newest)
     # Finetune: the weights of the newest checkpoint, nothing else.
     model, optimizer, schedule, tracker = build(cfg, st, seed=5)
-    assert load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB, True) is None
+    finetuned = TrainState(model, optimizer, schedule, tracker)
+    load_checkpoint(save_dir, finetuned, st, VOCAB, finetune=True)
+    assert finetuned.progress == Progress()
     assert same(snapshot(model), states[2]) and schedule.num_steps == 0
     assert all(set(e) <= {"main"} for e in optimizer.state_dict()["params"].values())
     # Every checkpoint damaged: an error, never a silent fresh start.
     _flip_byte(os.path.join(save_dir, "iter_0000001", shard_file(0)))
     _flip_byte(os.path.join(newest, "rng_rank00000.safetensors"))
     with pytest.raises(ConfigError, match="checkpoint.load: no intact checkpoint"):
-        load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+        load_checkpoint(save_dir, TrainState(model, optimizer, schedule, tracker), st, VOCAB)
     return out
 
 
@@ -286,7 +297,8 @@ def _load_crafted(cfg, save_dir, marker):
     st = initialize(1)
     model, optimizer, schedule, tracker = build(cfg, st)
     train(model, optimizer, schedule, 1, seed=0)
-    save_checkpoint(save_dir, 1, model, optimizer, schedule, tracker, {}, cfg, st, VOCAB)
+    train_state = TrainState(model, optimizer, schedule, tracker, Progress(iteration=1))
+    save_checkpoint(save_dir, train_state, cfg, st, VOCAB)
     ckpt = os.path.join(save_dir, "iter_0000001")
     errors = []
     meta_text = open(os.path.join(ckpt, "meta.json")).read()
@@ -300,7 +312,7 @@ def _load_crafted(cfg, save_dir, marker):
         with open(os.path.join(ckpt, "meta.json"), "w") as f:
             json.dump(meta, f)
         with pytest.raises(ConfigError) as err:
-            load_checkpoint(save_dir, model, optimizer, schedule, tracker, st, VOCAB)
+            load_checkpoint(save_dir, train_state, st, VOCAB)
         errors.append(str(err.value))
         with open(os.path.join(ckpt, name), "wb") as f:
             f.write(original)

@@ -27,6 +27,7 @@ from megatron.interop.ours import serial_model
 from megatron.optim.build import build_optimizer
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import Progress, TrainState
 from tests.test_checkpointing import VOCAB, build, same, tiny_config
 from tests.test_resume import losses, metric_lines, only_checkpoint, rel, save_lines, train
 from tools.checkpoint_util import main
@@ -148,7 +149,7 @@ def test_a_missing_shard_file_is_one_line(unbroken, tmp_path, capsys):
     model = serial_model("gpt", cfg, meta["vocab_size"])
     serial = ParallelState.serial(torch.device("cpu"))
     with pytest.raises(ConfigError) as error:
-        load_checkpoint(str(load), model, None, None, None, serial, meta["vocab_size"])
+        load_checkpoint(str(load), TrainState(model), serial, meta["vocab_size"])
     assert "\n" not in str(error.value) and f"{missing} is missing" in str(error.value)
     shutil.rmtree(load)
 
@@ -183,12 +184,14 @@ def test_bf16_round_trips_between_distributed_and_plain(tmp_path):
         ddp.zero_grad_buffer()
     trained = _state(model, optimizer)
     assert "optim/embedding.word.weight/main" in trained
-    args = (schedule, tracker, {}, cfg, SERIAL, VOCAB)
-    save_checkpoint(str(tmp_path / "a"), 2, model, optimizer, *args)
+    rest = (cfg, SERIAL, VOCAB)
+    at_2 = TrainState(model, optimizer, schedule, tracker, Progress(iteration=2))
+    save_checkpoint(str(tmp_path / "a"), at_2, *rest)
     assert read_meta(str(tmp_path / "a" / checkpoint_name(2)))["distributed_optimizer"]["step"] == 2
     for distributed, load, save in [(False, "a", "b"), (True, "b", None)]:
         model, _, optimizer, schedule, tracker = _bf16(cfg, distributed)
-        load_checkpoint(str(tmp_path / load), model, optimizer, schedule, tracker, SERIAL, VOCAB)
+        train_state = TrainState(model, optimizer, schedule, tracker)
+        load_checkpoint(str(tmp_path / load), train_state, SERIAL, VOCAB)
         assert same(_state(model, optimizer), trained)
         if save:
-            save_checkpoint(str(tmp_path / save), 2, model, optimizer, *args)
+            save_checkpoint(str(tmp_path / save), train_state, *rest)

@@ -23,12 +23,14 @@ from torch import nn
 from megatron.checkpoint import load_checkpoint
 from megatron.config.load import config_from_dict
 from megatron.config.schema import padded_vocab_size
-from megatron.inference.loading import build_model, model_type, newest_checkpoint
+from megatron.inference.loading import model_type, newest_checkpoint
 from megatron.interop.export import export_hf
 from megatron.interop.hf_tokenizer import tokenizer_note
 from megatron.interop.verify import TOLERANCE, sample_inputs
+from megatron.models.build import build_model
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import TrainState
 from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 from tests.test_pretrain_bert import bert_data, bert_overrides  # noqa: F401 (a fixture)
 from tools.checkpoint_util import main as checkpoint_util
@@ -46,7 +48,7 @@ def load_ours(save_dir: str) -> nn.Module:
     tracker = RNGTracker(state.device)
     tracker.seed(cfg.training.seed, 0)
     model = build_model(model_type(meta), cfg, vocab, padded, state, tracker)
-    load_checkpoint(save_dir, model, None, None, None, state, vocab, finetune=True)
+    load_checkpoint(save_dir, TrainState(model), state, vocab, finetune=True)
     return model.eval()
 
 

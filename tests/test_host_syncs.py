@@ -98,7 +98,7 @@ def _syncs_per_iteration(
 
     train_loop.TrainLoop.train_step, train_loop.TrainLoop.run = marked_step, counted_run
     argv = ["--config", f"configs/{model}_tiny.yaml", *overrides]
-    providers = entry.model_provider, entry.datasets_provider, entry.forward_step
+    providers = entry.datasets_provider, entry.forward_step
     assert training.main(argv, "", *providers, model_type=model) == 0
     return [b - a for a, b in zip(marks, marks[1:])]
 

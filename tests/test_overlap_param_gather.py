@@ -90,14 +90,13 @@ def _entrypoint_child(runs: list[list[str]], ports: list[int]) -> None:
     from megatron.training.pretrain import main
 
     _make_all_gathers_lazy()
-    providers = pretrain_gpt.model_provider, pretrain_gpt.datasets_provider
+    providers = pretrain_gpt.datasets_provider, pretrain_gpt.forward_step
     for overrides, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
         code = main(
             ["--config", "configs/gpt_tiny.yaml", *overrides],
             "",
             *providers,
-            pretrain_gpt.forward_step,
         )
         assert code == 0, overrides
 

@@ -48,10 +48,10 @@ def _train(runs: list[list[str]], ports: list[int]) -> None:
     import pretrain_gpt
     from megatron.training.pretrain import main
 
-    providers = pretrain_gpt.model_provider, pretrain_gpt.datasets_provider
+    providers = pretrain_gpt.datasets_provider, pretrain_gpt.forward_step
     for overrides, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
-        code = main(["--config", CONFIG, *overrides], "", *providers, pretrain_gpt.forward_step)
+        code = main(["--config", CONFIG, *overrides], "", *providers)
         assert code == 0, overrides
 
 

@@ -97,7 +97,7 @@ def serial_model() -> Piece:
     state = ParallelState.serial(torch.device("cpu"))
     tracker = RNGTracker(state.device)
     tracker.seed(1234, 0)
-    parts: dict[str, nn.Module] = {"embedding": Embedding(cfg, VOCAB, PADDED_VOCAB, state)}
+    parts: dict[str, nn.Module] = {"embedding": Embedding(cfg, VOCAB, PADDED_VOCAB, state, tracker)}
     for i in range(LAYERS):
         parts[f"layer_{i}"] = TransformerLayer(cfg, state, tracker, i)
     parts["head"] = LMHead(cfg, state.device)

@@ -2,9 +2,9 @@
 
 Every layout runs ``training.main`` of pretrain_gpt.py / pretrain_bert.py in real gloo processes
 on one tiny fp32 model without dropout; the losses and gradient norms of 20 iterations are
-compared with the TP=1 x PP=1 run. The stages hold exactly the whole model's layers (each stage
-draws every layer and keeps its own), so the runs differ only in float reduction order: the
-pipeline moves activations unchanged, and the gradient norm is summed over TP and PP (and DP
+compared with the TP=1 x PP=1 run. The stages hold exactly the whole model's layers (a layer
+draws from its own stream), so the runs differ only in float reduction order: the pipeline moves
+activations unchanged, and the gradient norm is summed over TP and PP (and DP
 shards) in fp64. 1e-5 relative on the losses and 1e-4 on the norms leave room for that order,
 not for a wrong gradient (left unsummed over the stages, the tied word table's gradient moves the
 first norm by 5% and the third loss by 8e-5, relative).
@@ -133,7 +133,7 @@ def _train(runs: list[tuple[str, str, list[str]]], ports: list[int]) -> list[dic
     for (module, config, overrides), port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
         entry = importlib.import_module(module)
-        providers = entry.model_provider, entry.datasets_provider, entry.forward_step
+        providers = entry.datasets_provider, entry.forward_step
         model_type = module.removeprefix("pretrain_")
         code = main(["--config", config, *overrides], "", *providers, model_type=model_type)
         assert code == 0, (module, overrides)

@@ -129,7 +129,7 @@ def _train_signalled(overrides: list[str], during: str) -> int:
 
     checkpointing.write_tensors = write_while_signalled
     argv = ["--config", CONFIG, *overrides]
-    return main(argv, "", pretrain_gpt.model_provider, pretrain_gpt.datasets_provider, forward_step)
+    return main(argv, "", pretrain_gpt.datasets_provider, forward_step)
 
 
 @pytest.mark.slow

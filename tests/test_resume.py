@@ -191,9 +191,9 @@ def kill_in_save() -> None:
     armed = {"on": False}
     real_save = Checkpointer.save
 
-    def save(self, save_dir, it, *args):
-        armed["on"] = it == int(iteration)
-        return real_save(self, save_dir, it, *args)
+    def save(self, save_dir, train, *args):
+        armed["on"] = train.progress.iteration == int(iteration)
+        return real_save(self, save_dir, train, *args)
 
     def trap(owner, name):
         real = getattr(owner, name)

@@ -29,6 +29,7 @@ from megatron.config.load import load_config
 from megatron.config.schema import OptimizerConfig, PrecisionConfig, padded_vocab_size
 from megatron.launch.preflight import validate
 from megatron.models.bert import BertModel
+from megatron.models.build import build_model
 from megatron.models.gpt import GPTModel
 from megatron.models.transformer import TransformerLayer
 from megatron.optim.build import build_optimizer
@@ -268,20 +269,17 @@ def test_one_layer_all_gathers_and_reduce_scatters_what_it_all_reduced():
 
 
 def flagged(st: ParallelState) -> dict:
-    """Per entrypoint: the parameters its model_provider flags with SP on, and those expected:
+    """Per model kind: the parameters its builder flags with SP on, and those expected:
     the transformer's LayerNorms (BERT's LM-head LayerNorm sees gathered activations) and the
     row-parallel biases."""
-    import pretrain_bert
-    import pretrain_gpt
-
     out = {}
-    for entry, config in [(pretrain_gpt, "gpt_tiny"), (pretrain_bert, "bert_tiny")]:
+    for kind, config in [("gpt", "gpt_tiny"), ("bert", "bert_tiny")]:
         cfg = load_config(
             [str(ROOT / "configs" / f"{config}.yaml")], ["parallel.sequence_parallel=true"]
         )
         tracker = RNGTracker(st.device)
         tracker.seed(0, st.tp_rank)
-        model = entry.model_provider(cfg, VOCAB, padded_vocab_size(VOCAB, 128, 2), st, tracker)
+        model = build_model(kind, cfg, VOCAB, padded_vocab_size(VOCAB, 128, 2), st, tracker)
         expected = {
             f"{name}.{p}"
             for name, m in model.named_modules()

@@ -23,16 +23,15 @@ def _train_with_bad_losses(overrides: list[str], bad: set[int], factor: float) -
     calls = {"n": 0}
 
     def forward_step(model, batch):
-        loss, values = pretrain_gpt.forward_step(model, batch)
+        losses = pretrain_gpt.forward_step(model, batch)
         calls["n"] += 1
         if model.training and calls["n"] in bad:
-            loss = loss * factor
-        return loss, values
+            losses = {name: (total * factor, count) for name, (total, count) in losses.items()}
+        return losses
 
     return main(
         ["--config", CONFIG, *overrides],
         "",
-        pretrain_gpt.model_provider,
         pretrain_gpt.datasets_provider,
         forward_step,
     )

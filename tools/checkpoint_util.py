@@ -34,14 +34,13 @@ import copy
 import json
 import os
 import re
-import secrets
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint import find_latest  # noqa: E402
+from megatron.checkpoint import find_latest, save_offline  # noqa: E402
 from megatron.checkpoint.format import (  # noqa: E402
     META,
     checkpoint_name,
@@ -51,7 +50,6 @@ from megatron.checkpoint.format import (  # noqa: E402
     verify_checkpoint,
 )
 from megatron.checkpoint.optim_shards import all_optim_layout  # noqa: E402
-from megatron.checkpoint.save import publish, write_tensors  # noqa: E402
 from megatron.checkpoint.stages import open_checkpoint  # noqa: E402
 from megatron.config.schema import padded_vocab_size  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
@@ -208,12 +206,6 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
         raise ConfigError(f"--output {out} holds the input; choose another directory")
     divisible_by = meta["config"]["model"]["make_vocab_size_divisible_by"]
     padded = padded_vocab_size(meta["vocab_size"], divisible_by, tp_size)
-    tmp = os.path.join(out, f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}")
-    os.makedirs(tmp)
-    files = {}
-    for rank in range(tp_size):
-        tensors = {key: source.read(key, tp_size, rank, padded) for key in layout}
-        files[shard_file(rank)] = write_tensors(os.path.join(tmp, shard_file(rank)), tensors)
     new_layout = copy.deepcopy(layout)
     for info in new_layout.values():
         if info["vocab"]:
@@ -232,7 +224,6 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
         "rng": False,
         "tensors": new_layout,
         "stages": [list(new_layout)],
-        "files": files,
         "config": config,
         "converted_from": {
             "path": os.path.abspath(src),
@@ -242,7 +233,11 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
     }
     if weights_only:
         converted.update(lr_schedule=None, grad_scaler=None, weights_only=True)
-    return publish(tmp, out, converted, keep_last=None)
+    files = (
+        (shard_file(rank), {key: source.read(key, tp_size, rank, padded) for key in layout})
+        for rank in range(tp_size)
+    )
+    return save_offline(out, converted, files)
 
 
 def main(argv: list[str] | None = None) -> int:

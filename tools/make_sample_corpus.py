@@ -19,6 +19,10 @@ import sysconfig
 import tokenize
 from collections.abc import Iterator
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.atomic_file import write_atomic  # noqa: E402
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -79,10 +83,11 @@ def iter_documents(min_chars: int = 40, root: str | None = None) -> Iterator[dic
 def write_corpus(output: str, size_mb: float, min_chars: int = 40) -> tuple[int, int]:
     """Write documents until ``size_mb`` MB (or the library runs out); return (docs, bytes)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = f"{output}.tmp{os.getpid()}"
     limit = int(size_mb * 1e6)
     count = written = 0
-    try:
+
+    def write(tmp: str) -> None:
+        nonlocal count, written
         with open(tmp, "wb") as f:
             for doc in iter_documents(min_chars):
                 line = (json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8")
@@ -91,12 +96,8 @@ def write_corpus(output: str, size_mb: float, min_chars: int = 40) -> tuple[int,
                 f.write(line)
                 written += len(line)
                 count += 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    write_atomic(output, write)
     return count, written
 
 

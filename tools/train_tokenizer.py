@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.atomic_file import write_contents  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from tools.preprocess_data import expand_inputs, open_binary  # noqa: E402
 
@@ -92,18 +93,9 @@ def train_sentencepiece(
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue())
     pieces = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    _write_atomic(model_prefix + ".vocab", pieces.encode("utf-8"))
-    _write_atomic(model_prefix + ".model", proto.getvalue())
+    write_contents(model_prefix + ".vocab", pieces)
+    write_contents(model_prefix + ".model", proto.getvalue())
     return model_prefix + ".model"
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,11 @@
 """Checkpoints: sharded, atomic, optionally written in the background, resharded on load.
 
-The public face: ``Checkpointer`` saves (synchronously or in the background), ``load_checkpoint``
-restores the newest intact checkpoint, ``find_latest`` and ``iterations`` say what a save
-directory holds. ``format`` names the files, ``save``/``async_save`` write them, ``load``,
-``reshard``, ``stages`` and ``optim_shards`` read them back at any layout.
+The public face: ``Checkpointer`` (inline or in the background) and ``save_checkpoint`` save a
+``TrainState``, ``load_checkpoint`` restores one from the newest intact checkpoint, ``save_offline``
+publishes a checkpoint made in one process (conversions, imports); ``find_latest``, ``iterations``,
+``candidates`` and ``checkpoint_dir`` say what a save directory holds. ``format`` names the files,
+``save``/``async_save`` write them, ``load``, ``reshard``, ``stages`` and ``optim_shards`` read
+them back at any layout.
 """
 
 from megatron.checkpoint.async_save import Checkpointer
@@ -14,7 +16,7 @@ from megatron.checkpoint.load import (
     iterations,
     load_checkpoint,
 )
-from megatron.checkpoint.save import save_checkpoint
+from megatron.checkpoint.save import save_checkpoint, save_offline
 
 __all__ = [
     "Checkpointer",
@@ -24,4 +26,5 @@ __all__ = [
     "iterations",
     "load_checkpoint",
     "save_checkpoint",
+    "save_offline",
 ]

@@ -2,11 +2,11 @@
 
 With ``checkpoint.async_save``, ``Checkpointer.save`` waits for the previous save, copies this
 rank's share of the state into host buffers, and returns to training; a thread then writes,
-fsyncs, renames and moves ``latest`` (``checkpointing.write_and_publish``). The copies are what
+fsyncs, renames and moves ``latest`` (``save.write_and_publish``). The copies are what
 keep the checkpoint exact while training goes on mutating the live tensors. On CUDA the buffers
 are pinned and the copies queued on the current stream: the thread waits on an event, so the loop
 does not wait for the device. The thread's only collectives run on the gloo group kept for
-checkpoints (``checkpointing.coordination_group``), which the loop never uses, and the next
+checkpoints (``save.coordination_group``), which the loop never uses, and the next
 save waits for it first, so two saves never interleave their collectives.
 
 An error in the background is raised by the next ``save`` or by ``wait`` (the loop calls it on
@@ -23,12 +23,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from megatron.checkpoint.save import SaveJob, capture, coordination_group, write_and_publish
+from megatron.checkpoint.save import (
+    SaveJob,
+    capture,
+    coordination_group,
+    save_checkpoint,
+    write_and_publish,
+)
 from megatron.config.schema import Config
-from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import TrainState
 
 
 class HostBuffers:
@@ -77,29 +83,20 @@ class Checkpointer:
         self._outcome: dict[str, Any] = {}  # the pending save's iteration, timings or error
 
     def save(
-        self,
-        save_dir: str,
-        iteration: int,
-        model: nn.Module,
-        optimizer: Any,
-        lr_schedule: Any,
-        tracker: RNGTracker,
-        progress: dict[str, Any],
-        cfg: Config,
-        state: ParallelState,
-        vocab_size: int,
+        self, save_dir: str, train: TrainState, cfg: Config, state: ParallelState, vocab_size: int
     ) -> None:
-        """Checkpoint ``iteration`` (collective; the arguments of ``save_checkpoint``)."""
+        """Checkpoint ``train`` at its iteration (collective; the arguments of
+        ``save_checkpoint``)."""
         start = time.perf_counter()
         self.wait()
-        group = coordination_group(state)
-        args = (model, optimizer, lr_schedule, tracker, progress, cfg, state, vocab_size)
+        iteration = train.progress.iteration
         if not self.async_save:
-            write_and_publish(capture(save_dir, iteration, *args), group)
+            save_checkpoint(save_dir, train, cfg, state, vocab_size)
             ms = 1000 * (time.perf_counter() - start)
             self.record({"iteration": iteration, "save_blocking_ms": ms, "save_total_ms": ms})
             return
-        job = capture(save_dir, iteration, *args, take=self._buffers.take)
+        group = coordination_group(state)
+        job = capture(save_dir, train, cfg, state, vocab_size, take=self._buffers.take)
         job.ready = self._buffers.ready()
         outcome: dict[str, Any] = {"iteration": iteration}
         self._thread = threading.Thread(

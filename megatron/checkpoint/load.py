@@ -32,8 +32,8 @@ from megatron.checkpoint.reshard import read_state
 from megatron.checkpoint.rng import reseed, set_rng_state
 from megatron.checkpoint.stages import open_checkpoint
 from megatron.errors import ConfigError
-from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import Progress, TrainState
 
 logger = logging.getLogger("megatron.checkpoint.save")
 
@@ -189,23 +189,22 @@ def _whole_model_keys(model: nn.Module, state: ParallelState) -> set[str]:
 
 def load_checkpoint(
     load_dir: str,
-    model: nn.Module,
-    optimizer: Any | None,
-    lr_schedule: Any | None,
-    tracker: RNGTracker | None,
+    train: TrainState,
     state: ParallelState,
     vocab_size: int,
     finetune: bool = False,
-) -> dict[str, int] | None:
-    """Load the newest intact checkpoint of ``load_dir`` into the given objects (collective).
+) -> None:
+    """Load the newest intact checkpoint of ``load_dir`` into ``train`` (collective).
 
-    Returns the saved ``progress`` (with ``iteration``). ``finetune``: weights only, and None,
-    since nothing is resumed. A checkpoint saved at another TP or PP size is resharded on the
-    fly (megatron.checkpoint.stages); at another TP/PP/DP size or device the RNG states cannot
-    carry over and are reseeded from (seed, iteration) with a warning. Raises ConfigError naming
-    ``checkpoint.load`` when ``load_dir`` is missing or holds no intact checkpoint: a requested
-    resume never silently starts fresh.
+    Restores the model, and each of the optimizer (with its loss scaler), the LR schedule and
+    the RNG tracker that ``train`` holds, and replaces ``train.progress`` with the saved one.
+    ``finetune``: the weights only; nothing else is resumed. A checkpoint saved at another TP or
+    PP size is resharded on the fly (megatron.checkpoint.stages); at another TP/PP/DP size or
+    device the RNG states cannot carry over and are reseeded from (seed, iteration) with a
+    warning. Raises ConfigError naming ``checkpoint.load`` when ``load_dir`` is missing or holds
+    no intact checkpoint: a requested resume never silently starts fresh.
     """
+    model, optimizer, tracker = train.model, train.optimizer, train.tracker
     path, meta = _select(load_dir, state)
     model_keys = _whole_model_keys(model, state)
 
@@ -228,12 +227,12 @@ def load_checkpoint(
             optimizer.reload_main_params()
         if state.rank == 0:
             logger.info("loaded the weights of %s", path)
-        return None
+        return
     if optimizer is not None:
         scaler = meta["grad_scaler"] or optimizer.scaler.state_dict()
         optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
-    if lr_schedule is not None and meta["lr_schedule"] is not None:
-        lr_schedule.load_state_dict(meta["lr_schedule"])
+    if train.schedule is not None and meta["lr_schedule"] is not None:
+        train.schedule.load_state_dict(meta["lr_schedule"])
     if tracker is not None:
         if rng is not None:
             set_rng_state(*rng, tracker)
@@ -250,4 +249,4 @@ def load_checkpoint(
             tracker.seed(reseed(meta["seed"], meta["iteration"]), state.tp_rank)
     if state.rank == 0:
         logger.info("loaded checkpoint %s (iteration %d)", path, meta["iteration"])
-    return {"iteration": meta["iteration"], **meta["progress"]}
+    train.progress = Progress.restore({"iteration": meta["iteration"], **meta["progress"]})

@@ -33,9 +33,10 @@ from torch import Tensor
 from megatron.checkpoint.format import open_safetensors, optim_file, pp_size_of
 from megatron.errors import ConfigError
 from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer, assemble
+from megatron.optim.optimizer import MainParamOptimizer
 
 
-def is_distributed(optimizer: Any) -> bool:
+def is_distributed(optimizer: MainParamOptimizer) -> bool:
     """Whether ``optimizer`` keeps its state sharded over DP (and saves it in shard files)."""
     return isinstance(optimizer, DistributedOptimizer)
 

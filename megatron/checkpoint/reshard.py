@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from megatron.checkpoint.format import open_safetensors
 from megatron.errors import ConfigError
+from megatron.optim.optimizer import MainParamOptimizer
 from megatron.parallel.layers import split_dim
 from megatron.parallel.state import ParallelState
 
@@ -51,7 +52,7 @@ def padded_vocab(model: nn.Module, tp_size: int) -> int | None:
     return rows[0] if rows else None
 
 
-def shard_tensors(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
+def shard_tensors(model: nn.Module, optimizer: MainParamOptimizer | None) -> dict[str, Tensor]:
     """This rank's slices under checkpoint keys (live references, on the model's device)."""
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
     if optimizer is not None:
@@ -172,7 +173,7 @@ def read_state(
     where: str,
     meta: dict[str, Any],
     model: nn.Module,
-    optimizer: Any | None,
+    optimizer: MainParamOptimizer | None,
     state: ParallelState,
     model_keys: set[str] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]]]:

@@ -12,6 +12,7 @@
         model_optim_tp01.safetensors  main params, moments and steps, written by DP rank t % dp;
                                       with PP > 1 one per (TP, PP) rank,
                                       model_optim_tp{t:02d}_pp{p:03d}, by DP rank (p*tp + t) % dp
+                                      (ParallelState.writes_checkpoint_shard)
         optim_tp00_dp000.safetensors  with the distributed optimizer: each (TP, PP, DP) rank's shard
         ...                           of the optimizer state (megatron.checkpoint.optim_shards);
                                       the TP files then hold the weights alone
@@ -39,17 +40,17 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save as serialize
-from torch import Tensor, nn
+from torch import Tensor
 
-from megatron.atomic_file import fsync_path, write_durable
+from megatron.atomic_file import fsync_path, write_contents, write_durable
 from megatron.checkpoint.format import (
     FORMAT_VERSION,
     META,
@@ -64,13 +65,13 @@ from megatron.checkpoint.optim_shards import shard_tensors as optim_shard_tensor
 from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
 from megatron.config.schema import Config, to_dict
-from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
 # What killed saves leave behind: unpublished directories, set-aside copies, pointer temp files.
-_LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-\d+")
+_LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-.+")
 # Rank 0 waits in the gather for the slowest writer: a big shard on slow shared storage can
 # take many minutes, so far longer than a training collective may. A dead peer still fails it
 # at once (its sockets close).
@@ -78,17 +79,6 @@ COORDINATION_TIMEOUT = timedelta(minutes=30)
 # The coordination group, and the default group it was made beside (a new world needs a new one).
 _COORDINATION: dict[str, Any] = {}
 Files = dict[str, tuple[dict[str, Tensor], dict[str, str] | None]]
-
-
-def write_text(path: str, text: str) -> None:
-    """Write under a temp name, fsync, os.replace onto ``path``, fsync its directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(path) or ".")
 
 
 def write_tensors(
@@ -107,7 +97,7 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
     into place and ``save_dir`` fsynced; only then is ``latest`` replaced. Last, checkpoints older
     than the newest ``keep_last`` and leftovers of killed saves are removed. Returns the path.
     """
-    write_text(os.path.join(tmp, META), json.dumps(meta, indent=1) + "\n")
+    write_contents(os.path.join(tmp, META), json.dumps(meta, indent=1) + "\n")
     final = os.path.join(save_dir, checkpoint_name(meta["iteration"]))
     if os.path.exists(final):
         # Saving an iteration again (an exit right after resuming): the old copy steps aside,
@@ -115,7 +105,7 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
         os.rename(final, f"{final}.old-{tmp.rsplit('-', 1)[1]}")
     os.rename(tmp, final)
     fsync_path(save_dir)
-    write_text(os.path.join(save_dir, LATEST), f"{meta['iteration']}\n")
+    write_contents(os.path.join(save_dir, LATEST), f"{meta['iteration']}\n")
     for name in os.listdir(save_dir):
         if _LEFTOVER.fullmatch(name):
             path = os.path.join(save_dir, name)
@@ -131,20 +121,13 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
 
 
 def files_written_by(state: ParallelState, distributed_optimizer: bool = False) -> list[str]:
-    """The files of a checkpoint this rank writes.
-
-    The (TP, PP) shards are the bulk of a checkpoint and identical over DP, so the shard of TP
-    rank t in stage p is written by DP rank ``(p * tp + t) % dp`` of that (TP, PP) rank: with
-    several DP replicas (nodes) the writing spreads over them instead of one node pushing
-    everything (at PP = 1: DP rank ``t % dp``; rank 0 always writes shard (0, 0)). With the
-    distributed optimizer every rank writes its own optimizer shard, the part of the state only
-    it holds. Every rank writes its own RNG file.
-    """
-    pp_rank, pp_size = state.pp_rank, state.pp_size
-    writer = (pp_rank * state.tp_size + state.tp_rank) % state.dp_size
-    names = [shard_file(state.tp_rank, pp_rank, pp_size)] if writer == state.dp_rank else []
+    """The files of a checkpoint this rank writes: its (TP, PP) rank's shard if
+    ``state.writes_checkpoint_shard``; with the distributed optimizer its own optimizer shard,
+    the part of the state only it holds; always its own RNG file."""
+    tp_rank, pp_rank, pp_size = state.tp_rank, state.pp_rank, state.pp_size
+    names = [shard_file(tp_rank, pp_rank, pp_size)] if state.writes_checkpoint_shard else []
     if distributed_optimizer:
-        names.append(optim_file(state.tp_rank, state.dp_rank, pp_rank, pp_size))
+        names.append(optim_file(tp_rank, state.dp_rank, pp_rank, pp_size))
     return names + [rng_file(state.rank)]
 
 
@@ -189,20 +172,16 @@ class SaveJob:
 
 def capture(
     save_dir: str,
-    iteration: int,
-    model: nn.Module,
-    optimizer: Any,
-    lr_schedule: Any,
-    tracker: RNGTracker,
-    progress: dict[str, Any],
+    train: TrainState,
     cfg: Config,
     state: ParallelState,
     vocab_size: int,
     take: Callable[[str, Tensor], Tensor] | None = None,
 ) -> SaveJob:
-    """This rank's part of checkpoint ``iteration``; ``take(key, tensor)`` copies a tensor off
-    the live state (None: the live tensors themselves, for a save that finishes before training
-    goes on). Never raises: a failure becomes the job's ``error``."""
+    """This rank's part of the checkpoint of ``train`` at its iteration; ``take(key, tensor)``
+    copies a tensor off the live state (None: the live tensors themselves, for a save that
+    finishes before training goes on). Never raises: a failure becomes the job's ``error``."""
+    model, optimizer, iteration = train.model, train.optimizer, train.progress.iteration
     job = SaveJob(save_dir, iteration, state.rank, state.world_size, {}, None, None)
     try:
         job.keep_last = cfg.checkpoint.keep_last
@@ -215,7 +194,7 @@ def capture(
         tensors = shard_tensors(model, in_tp_file) if mine in names else {}
         if mine in names and state.tp_rank == 0:  # one writer per stage describes its tensors
             job.stage = (state.pp_rank, tensor_layout(tensors, model, state.tp_size))
-        rng, header = rng_state(state, tracker)
+        rng, header = rng_state(state, train.tracker)
         parts = {mine: (tensors, None), rng_file(state.rank): (rng, header)}
         if distributed:
             shard = optim_file(state.tp_rank, state.dp_rank, state.pp_rank, state.pp_size)
@@ -231,7 +210,7 @@ def capture(
             job.meta = {
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
-                "progress": copy.deepcopy(dict(progress)),
+                "progress": asdict(train.progress),
                 "tp_size": state.tp_size,
                 "pp_size": state.pp_size,
                 "dp_size": state.dp_size,
@@ -242,7 +221,7 @@ def capture(
                 "seed": cfg.training.seed,
                 "rng": True,
                 "torch_version": torch.__version__,
-                "lr_schedule": lr_schedule.state_dict() if lr_schedule is not None else None,
+                "lr_schedule": train.schedule.state_dict() if train.schedule is not None else None,
                 "grad_scaler": copy.deepcopy(scaler),
                 # Every stage's tensors, and the distributed optimizer's layouts of every
                 # (TP, PP) rank, are added by write_and_publish.
@@ -331,27 +310,32 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
 
 
 def save_checkpoint(
-    save_dir: str,
-    iteration: int,
-    model: nn.Module,
-    optimizer: Any,
-    lr_schedule: Any,
-    tracker: RNGTracker,
-    progress: dict[str, Any],
-    cfg: Config,
-    state: ParallelState,
-    vocab_size: int,
+    save_dir: str, train: TrainState, cfg: Config, state: ParallelState, vocab_size: int
 ) -> str:
-    """Save checkpoint ``iteration`` under ``save_dir`` and point ``latest`` at it; return its path.
+    """Save ``train`` as the checkpoint of its iteration under ``save_dir`` and point ``latest``
+    at it; return its path.
 
-    Collective: every rank calls it, with its own model/optimizer slices. ``progress`` (the loop's
-    iteration, consumed samples, counters) must be JSON-able; it comes back from load_checkpoint.
-    Keeps the newest ``cfg.checkpoint.keep_last``. Consumes no random numbers, so a run that
-    saves stays bit-identical to one that does not. Raises on every rank if any rank failed.
+    Collective: every rank calls it, with its own share of the state. ``train.progress`` comes
+    back from load_checkpoint. Keeps the newest ``cfg.checkpoint.keep_last``. Consumes no random
+    numbers, so a run that saves stays bit-identical to one that does not. Raises on every rank
+    if any rank failed.
     """
     group = coordination_group(state)
-    job = capture(
-        save_dir, iteration, model, optimizer, lr_schedule, tracker, progress, cfg, state,
-        vocab_size,
-    )  # fmt: skip
-    return write_and_publish(job, group)
+    return write_and_publish(capture(save_dir, train, cfg, state, vocab_size), group)
+
+
+def save_offline(
+    save_dir: str, meta: dict[str, Any], files: Iterable[tuple[str, dict[str, Tensor]]]
+) -> str:
+    """Publish a checkpoint composed in one process, without process groups (conversions,
+    imports), as the newest of ``save_dir``; returns its path.
+
+    ``files`` yields (name, tensors) one file at a time, so only one is held in memory; ``meta``
+    is meta.json, whose ``files`` (the sha256 of each file) are filled in here. Atomic like every
+    save: nothing appears under ``iter_*`` or in ``latest`` until every file is written.
+    """
+    name = f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}"
+    tmp = os.path.join(save_dir, name)
+    os.makedirs(tmp)
+    sums = {n: write_tensors(os.path.join(tmp, n), tensors) for n, tensors in files}
+    return publish(tmp, save_dir, {**meta, "files": sums}, keep_last=None)

@@ -77,18 +77,19 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"model.num_attention_heads={heads}; use {_divisors(heads)}"
         )
     mbs, gbs = cfg.training.micro_batch_size, cfg.training.global_batch_size
-    dp = world_size // (tp * pp)
+    derived = cfg.derived(world_size)
+    dp, micro = derived.dp_size, derived.num_micro_batches
     if gbs % (mbs * dp):
         raise ConfigError(
             f"training.global_batch_size={gbs} is not a multiple of training."
             f"micro_batch_size * DP = {mbs} * {dp}; use {_multiples(gbs, mbs * dp)}"
         )
-    if virtual is not None and virtual > 1 and gbs // (mbs * dp) % pp:
+    if virtual is not None and virtual > 1 and micro % pp:
         # The interleaved schedule sends micro-batches through the chunks in groups of pp.
         raise ConfigError(
             f"parallel.virtual_pipeline_size={virtual} needs the micro-batches per step, "
             f"training.global_batch_size / (micro_batch_size * DP) = {gbs} / ({mbs} * {dp}) = "
-            f"{gbs // (mbs * dp)}, to be a multiple of parallel.pipeline_parallel_size={pp}; "
+            f"{micro}, to be a multiple of parallel.pipeline_parallel_size={pp}; "
             f"use a global_batch_size of {_multiples(gbs, mbs * dp * pp)}"
         )
 
@@ -157,6 +158,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings"
             f"={m.max_position_embeddings}; raise it to at least {m.seq_length}"
+        )
+    b = cfg.bert
+    if m.type == "bert" and 0 < b.num_tokentypes < 2 and b.binary_head != "none":
+        raise ConfigError(
+            f"bert.num_tokentypes={b.num_tokentypes}: sentence pairs have token types 0 and 1; "
+            "use 2 (or 0 for no token-type embedding)"
         )
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(

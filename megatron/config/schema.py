@@ -281,9 +281,11 @@ class Config:
     bert: BertConfig
 
     def derived(self, world_size: int) -> Derived:
-        """DP size, micro-batches per step and vocab padding for ``world_size`` ranks.
+        """DP size, micro-batches per step and vocab padding for ``world_size`` ranks: the one
+        place the DP size is computed (the rank grid's first axis is what tp * pp leave).
 
-        For a config that passed ``config.checks.check_world`` (or ``validate``) at that size.
+        For a config that passed ``config.checks.check_world`` (or ``validate``) at that size, or,
+        inside ``check_world``, once tp * pp is known to divide ``world_size``.
         """
         tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         dp = world_size // (tp * pp)

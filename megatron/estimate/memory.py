@@ -361,9 +361,10 @@ def fits(total_bytes: int, gpu_memory_gb: float) -> bool:
 def memory_table(
     cfg: Config, vocab_size: int, world_size: int, gpu_memory_gb: float, tp_sizes: Sequence[int]
 ) -> str:
-    """A Markdown table of the GPT ``cfg``'s per-GPU GiB at each TP size (DP = world / TP), with and
-    without full recomputation: as is, with the distributed optimizer, with sequence parallelism
-    (TP > 1 only) and with both. Bold figures fit a ``gpu_memory_gb`` GPU (see ``fits``)."""
+    """A Markdown table of the GPT ``cfg``'s per-GPU GiB at each TP size (and the DP size that
+    leaves), with and without full recomputation: as is, with the distributed optimizer, with
+    sequence parallelism (TP > 1 only) and with both. Bold figures fit a ``gpu_memory_gb`` GPU
+    (see ``fits``)."""
     options = {
         "plain": (False, False),
         "distributed optimizer": (True, False),
@@ -375,7 +376,9 @@ def memory_table(
         "|---|---|" + "---:|" * len(options),
     ]
     for tp in tp_sizes:
-        dp = world_size // tp
+        at_tp = replace(cfg, parallel=replace(cfg.parallel, tensor_parallel_size=tp))
+        derived = at_tp.derived(world_size)
+        dp, padded = derived.dp_size, derived.padded_vocab_size(vocab_size)
         for recompute in ("full", "none"):
             cells = []
             for distributed, sequence in options.values():
@@ -383,15 +386,11 @@ def memory_table(
                     cells.append("-")
                     continue
                 parallel = replace(
-                    cfg.parallel,
-                    tensor_parallel_size=tp,
-                    distributed_optimizer=distributed,
-                    sequence_parallel=sequence,
+                    at_tp.parallel, distributed_optimizer=distributed, sequence_parallel=sequence
                 )
                 changed = replace(
                     cfg, model=replace(cfg.model, recompute=recompute), parallel=parallel
                 )
-                padded = changed.derived(world_size).padded_vocab_size(vocab_size)
                 total = estimate_memory(changed, padded, "gpt", dp).total
                 text = f"{total / GIB:.2f}"
                 cells.append(f"**{text}**" if fits(total, gpu_memory_gb) else text)

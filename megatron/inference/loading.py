@@ -21,12 +21,12 @@ from megatron.config.load import config_from_dict
 from megatron.config.schema import Config, padded_vocab_size
 from megatron.data.tokenizers.factory import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
-from megatron.models.bert import BertModel
-from megatron.models.gpt import GPTModel
+from megatron.models.build import build_model
 from megatron.parallel import state as parallel_state
 from megatron.parallel.launcher import launcher_env
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from megatron.training.train_state import TrainState
 
 # Megatron-style flags of generate.py and evaluate.py, and the config key each overrides.
 TOKENIZER_FLAGS = {
@@ -81,31 +81,6 @@ def newest_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str,
         except ConfigError as e:
             problems.append(str(e))
     raise ConfigError(f"--load {load_dir}: no readable checkpoint ({problems[0]})")
-
-
-def build_model(
-    kind: str,
-    cfg: Config,
-    vocab_size: int,
-    padded: int,
-    state: ParallelState,
-    tracker: RNGTracker,
-) -> nn.Module:
-    """The GPT or BERT model ``cfg`` describes, as the entrypoints build it."""
-    sequence_parallel = cfg.parallel.sequence_parallel
-    if kind == "bert":
-        b = cfg.bert
-        return BertModel(
-            cfg.model,
-            vocab_size,
-            padded,
-            state,
-            tracker,
-            b.num_tokentypes,
-            b.binary_head,
-            sequence_parallel,
-        )
-    return GPTModel(cfg.model, vocab_size, padded, state, tracker, sequence_parallel)
 
 
 @dataclass
@@ -165,7 +140,6 @@ def load_for_inference(
     kind = model_type(meta)
     model = build_model(kind, cfg, tokenizer.vocab_size, padded, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
-    checkpoint.load_checkpoint(
-        load_dir, model, None, None, None, state, tokenizer.vocab_size, finetune=True
-    )
+    weights = TrainState(model)
+    checkpoint.load_checkpoint(load_dir, weights, state, tokenizer.vocab_size, finetune=True)
     return Loaded(model.eval(), tokenizer, cfg, state, kind, path)

@@ -13,10 +13,11 @@ import json
 import os
 from typing import Any
 
+from safetensors.torch import save as serialize
 from torch import Tensor
 
+from megatron.atomic_file import write_contents, write_durable
 from megatron.checkpoint.format import open_safetensors
-from megatron.checkpoint.save import write_tensors, write_text
 from megatron.errors import ConfigError
 
 CONFIG = "config.json"
@@ -47,7 +48,7 @@ def read_config(hf_dir: str) -> dict[str, Any]:
 
 def write_config(hf_dir: str, config: dict[str, Any]) -> None:
     """config.json, indented like save_pretrained's."""
-    write_text(os.path.join(hf_dir, CONFIG), json.dumps(config, indent=2) + "\n")
+    write_contents(os.path.join(hf_dir, CONFIG), json.dumps(config, indent=2) + "\n")
 
 
 def _weight_files(hf_dir: str) -> list[str]:
@@ -92,4 +93,5 @@ def read_weights(hf_dir: str, base_prefix: str, heads: tuple[str, ...]) -> dict[
 
 def write_weights(hf_dir: str, tensors: dict[str, Tensor]) -> None:
     """model.safetensors with the ``format: pt`` header transformers expects."""
-    write_tensors(os.path.join(hf_dir, WEIGHTS), tensors, {"format": "pt"})
+    data = serialize({k: t.contiguous() for k, t in tensors.items()}, {"format": "pt"})
+    write_durable(os.path.join(hf_dir, WEIGHTS), data)

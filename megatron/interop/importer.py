@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from megatron.atomic_file import write_contents
 from megatron.checkpoint.format import checkpoint_name, read_meta
-from megatron.checkpoint.save import write_text
 from megatron.config.load import config_from_dict
 from megatron.config.schema import TokenizerConfig
 from megatron.data.tokenizers.factory import build_tokenizer
@@ -130,7 +130,7 @@ def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
             "# data.paths is yours to give, e.g. on the command line:\n"
             f"#   {_command(output, architecture.kind)}\n"
         )
-        write_text(
+        write_contents(
             os.path.join(tmp, CONFIG_YAML), header + yaml.safe_dump(sections, sort_keys=False)
         )
     return os.path.join(output, checkpoint_name(0))

@@ -8,20 +8,20 @@ A *full* state dict holds every tensor whole, with vocabulary tables cut to the 
 from __future__ import annotations
 
 import os
-import secrets
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from megatron.checkpoint.format import FORMAT_VERSION, META, checkpoint_name, shard_file
+from megatron.checkpoint import save_offline
+from megatron.checkpoint.format import FORMAT_VERSION, META, shard_file
 from megatron.checkpoint.reshard import take_shard, tensor_layout, vocab_params
-from megatron.checkpoint.save import publish, write_tensors
 from megatron.checkpoint.stages import open_checkpoint
 from megatron.config.load import config_from_dict
 from megatron.config.schema import Config, padded_vocab_size, to_dict
 from megatron.errors import ConfigError
-from megatron.inference.loading import build_model, model_type
+from megatron.inference.loading import model_type
+from megatron.models.build import build_model
 from megatron.parallel.layers import split_dim
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
@@ -32,8 +32,9 @@ def serial_model(kind: str, cfg: Config, vocab_size: int, device: str = "cpu") -
     (enough to read split dimensions and shapes)."""
     state = ParallelState.serial(torch.device(device))
     tracker = RNGTracker(state.device)
-    # Eval mode draws no dropout: any state serves the per-rank stream attention forks into.
-    tracker.tp_state = tracker.generator.get_state()
+    # The initial values are overwritten (or, on meta, never drawn) and eval mode draws no
+    # dropout: the run's seed serves as well as any.
+    tracker.seed(cfg.training.seed, 0)
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
     return build_model(kind, cfg, vocab_size, padded, state, tracker).eval()
 
@@ -105,16 +106,15 @@ def write_checkpoint(
     splits = {name: split_dim(p) for name, p in model.named_parameters()}
     vocab = vocab_params(model)
     padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
-    tmp = os.path.join(save_dir, f"{checkpoint_name(0)}.tmp-{secrets.token_hex(6)}")
-    os.makedirs(tmp)
-    files, layout = {}, {}
-    for rank in range(tp):
-        tensors = {
+
+    def shard(rank: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {
             f"model/{k}": take_shard(t, splits[k], tp, rank, padded if k in vocab else None)
-            for k, t in full.items()
+            for k, t in tensors.items()
         }
-        layout = layout or tensor_layout(tensors, model, tp)
-        files[shard_file(rank)] = write_tensors(os.path.join(tmp, shard_file(rank)), tensors)
+
+    # The layout needs only shapes and dtypes: shard 0 of meta tensors copies nothing.
+    layout = tensor_layout(shard(0, {k: t.to("meta") for k, t in full.items()}), model, tp)
     meta = {
         "format_version": FORMAT_VERSION,
         "iteration": 0,
@@ -131,9 +131,9 @@ def write_checkpoint(
         "lr_schedule": None,
         "grad_scaler": None,
         "tensors": layout,
-        "files": files,
+        "files": {},  # filled in by save_offline
         "config": to_dict(cfg),
         "weights_only": True,
         **extra_meta,
     }
-    return publish(tmp, save_dir, meta, keep_last=None)
+    return save_offline(save_dir, meta, ((shard_file(r), shard(r, full)) for r in range(tp)))

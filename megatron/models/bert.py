@@ -18,7 +18,7 @@ replicated as before (post-LN's embedding LayerNorm then sees split activations 
 
 In a pipeline each stage is a BertModel holding its layers (by global name); the embeddings (and
 post-LN's embedding LayerNorm) are the first stage's, the heads the last's, with a copy of the
-word table for the tied MLM head (``embedding.stage_embedding``).
+word table for the tied MLM head (``embedding.Embedding``). Each head draws from its own stream.
 """
 
 from __future__ import annotations
@@ -29,24 +29,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.models.embedding import Embedding, stage_embedding
+from megatron.models.embedding import Embedding
 from megatron.models.transformer import TransformerStack, gelu, layer_norm
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.parallel.layers import InitMethod, normal_init
+from megatron.parallel.layers import normal_init
 from megatron.parallel.mappings import copy_to_tp, gather_seq
-from megatron.parallel.random import RNGTracker
+from megatron.parallel.random import BINARY_HEAD, LM_HEAD, POOLER, RNGTracker
 from megatron.parallel.state import ParallelState
 
 BINARY_HEADS = ("sop", "nsp", "none")
 
 
 def _linear(
-    in_features: int, out_features: int, init: InitMethod, device: torch.device
+    cfg, in_features: int, out_features: int, generator: torch.Generator, device: torch.device
 ) -> nn.Linear:
-    """A replicated dense layer: ``init`` weight (from the TP-wide generator), zero bias."""
-    layer = nn.Linear(in_features, out_features, device=device)
-    init(layer.weight.data)
+    """A replicated dense layer: N(0, init_method_std) weight from ``generator`` (the same on
+    every TP rank), zero bias; ``skip_init`` spares nn.Linear's own draw."""
+    layer = nn.utils.skip_init(nn.Linear, in_features, out_features, device=device)
+    normal_init(cfg.init_method_std, generator)(layer.weight.data)
     layer.bias.data.zero_()
     return layer
 
@@ -60,11 +61,11 @@ class BertLMHead(nn.Module):
     has a row per padded vocabulary entry (``vocab_padded``); it starts at zero.
     """
 
-    def __init__(self, cfg, padded_vocab_size: int, state: ParallelState):
+    def __init__(self, cfg, padded_vocab_size: int, state: ParallelState, tracker: RNGTracker):
         super().__init__()
         h = cfg.hidden_size
         self.group, self.activation = state.tp_group, cfg.activation
-        self.dense = _linear(h, h, normal_init(cfg.init_method_std), state.device)
+        self.dense = _linear(cfg, h, h, tracker.init_generator(LM_HEAD), state.device)
         self.layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=state.device)
         vocab_per_partition = padded_vocab_size // state.tp_size
         self.bias = nn.Parameter(torch.zeros(vocab_per_partition, device=state.device))
@@ -116,22 +117,27 @@ class BertModel(nn.Module):
             embedding_cfg = dataclasses.replace(cfg, hidden_dropout=0.0)
             if self.pre_process:
                 self.embedding_ln = layer_norm(cfg, state, sequence_parallel)
-        # Built on every stage, so that the generator draws what the whole model draws first.
-        embedding = Embedding(
-            embedding_cfg, vocab_size, padded_vocab_size, state, num_tokentypes, sequence_parallel
-        )
-        self.embedding = stage_embedding(embedding, state)
+        self.embedding = None
+        if self.pre_process or self.post_process:
+            self.embedding = Embedding(
+                embedding_cfg,
+                vocab_size,
+                padded_vocab_size,
+                state,
+                tracker,
+                num_tokentypes,
+                sequence_parallel,
+            )
         self.transformer = TransformerStack(
             cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
         )
         self.lm_head = self.pooler = self.binary_head = None
         if not self.post_process:
-            return  # the heads are the last stage's, drawn after every layer
-        self.lm_head = BertLMHead(cfg, padded_vocab_size, state)
+            return  # the heads are the last stage's
+        self.lm_head = BertLMHead(cfg, padded_vocab_size, state, tracker)
         if binary_head != "none":
-            init = normal_init(cfg.init_method_std)
-            self.pooler = _linear(h, h, init, device)
-            self.binary_head = _linear(h, 2, init, device)
+            self.pooler = _linear(cfg, h, h, tracker.init_generator(POOLER), device)
+            self.binary_head = _linear(cfg, h, 2, tracker.init_generator(BINARY_HEAD), device)
 
     def forward(
         self,

@@ -6,8 +6,14 @@ import torch
 from torch import Tensor, nn
 
 from megatron.parallel import sequence_parallel as sp
-from megatron.parallel.layers import VocabParallelEmbedding, normal_init
+from megatron.parallel.layers import InitMethod, VocabParallelEmbedding, normal_init
 from megatron.parallel.mappings import scatter_seq
+from megatron.parallel.random import (
+    POSITION_EMBEDDING,
+    TOKENTYPE_EMBEDDING,
+    WORD_EMBEDDING,
+    RNGTracker,
+)
 from megatron.parallel.state import ParallelState
 
 
@@ -19,6 +25,12 @@ class Embedding(nn.Module):
     draws from the shared generator and matches across TP ranks. With ``sequence_parallel`` the
     sum is scattered along the sequence before the dropout, which keeps this rank's slice of the
     same mask: the output is this rank's [b, s / tp, h].
+
+    In a pipeline the first stage holds it all; the last (another stage) only the word table,
+    the tied LM head's copy; the others none of it. Each table draws from its own stream
+    (``tracker.init_generator``), so both copies start equal. They carry ``pipeline_tied`` so
+    that their gradients are summed over ``state.embedding_group`` and the gradient norm counts
+    them once (on the first stage).
     """
 
     def __init__(
@@ -27,23 +39,27 @@ class Embedding(nn.Module):
         vocab_size: int,
         padded_vocab_size: int,
         state: ParallelState,
+        tracker: RNGTracker,
         num_tokentypes: int = 0,
         sequence_parallel: bool = False,
     ):
         super().__init__()
         self.seq_group = sp.sequence_group(state, sequence_parallel)
-        init = normal_init(cfg.init_method_std)
+
+        def init(index: int) -> InitMethod:
+            return normal_init(cfg.init_method_std, tracker.init_generator(index))
+
+        h = cfg.hidden_size
         self.word = VocabParallelEmbedding(
-            vocab_size, padded_vocab_size, cfg.hidden_size, state, init
+            vocab_size, padded_vocab_size, h, state, init(WORD_EMBEDDING)
         )
-        self.position = nn.Embedding(
-            cfg.max_position_embeddings, cfg.hidden_size, device=state.device
-        )
-        init(self.position.weight.data)
-        self.tokentype = None
-        if num_tokentypes:
-            self.tokentype = nn.Embedding(num_tokentypes, cfg.hidden_size, device=state.device)
-            init(self.tokentype.weight.data)
+        if state.pp_size > 1:
+            self.word.weight.pipeline_tied = True
+        self.position = self.tokentype = None
+        if state.is_first_stage:
+            self.position = _table(cfg.max_position_embeddings, h, init(POSITION_EMBEDDING), state)
+            if num_tokentypes:
+                self.tokentype = _table(num_tokentypes, h, init(TOKENTYPE_EMBEDDING), state)
         self.dropout = cfg.hidden_dropout
 
     def forward(
@@ -58,19 +74,8 @@ class Embedding(nn.Module):
         return sp.dropout(h, self.dropout, self.training, self.seq_group)
 
 
-def stage_embedding(embedding: Embedding, state: ParallelState) -> Embedding | None:
-    """The part of ``embedding`` this pipeline stage keeps: all of it on the first stage; on the
-    last (another stage) only the word table, the tied LM head's copy; nothing in between.
-
-    Both copies are drawn alike (every stage builds the embedding first), so they start equal;
-    they carry ``pipeline_tied`` so that their gradients are summed over
-    ``state.embedding_group`` and the gradient norm counts them once (on the first stage).
-    """
-    if state.pp_size > 1 and (state.is_first_stage or state.is_last_stage):
-        embedding.word.weight.pipeline_tied = True
-    if state.is_first_stage:
-        return embedding
-    if not state.is_last_stage:
-        return None
-    embedding.position = embedding.tokentype = None
-    return embedding
+def _table(rows: int, dim: int, init: InitMethod, state: ParallelState) -> nn.Embedding:
+    """A replicated table drawn by ``init`` alone: built around its weight, nn.Embedding draws
+    none of its own."""
+    weight = init(torch.empty(rows, dim, device=state.device))
+    return nn.Embedding.from_pretrained(weight, freeze=False)

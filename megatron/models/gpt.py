@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.document_mask import document_mask, uses_flex
-from megatron.models.embedding import Embedding, stage_embedding
+from megatron.models.embedding import Embedding
 from megatron.models.kv_cache import KVCache
 from megatron.models.transformer import TransformerStack
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -32,7 +32,8 @@ class GPTModel(nn.Module):
     In a pipeline (``state.pp_size > 1``) this is one stage, in ``chunks`` model chunks
     (interleaved 1F1B): the first stage holds the embeddings, the last the final LayerNorm, the
     LM head and the loss, with its own copy of the word table for the tied head (see
-    ``stage_embedding``); its layers keep their global names (``transformer.layers.<i>``).
+    ``Embedding``); its layers keep their global names (``transformer.layers.<i>``). A stage
+    builds and draws only what it holds.
     """
 
     def __init__(
@@ -53,11 +54,11 @@ class GPTModel(nn.Module):
         self.num_chunks = chunks
         # Called whole (no pipeline, or one chunk on the last stage) the model returns the loss.
         self.computes_loss = self.post_process and chunks == 1
-        # Built on every stage, so that the generator draws what the whole model draws first.
-        embedding = Embedding(
-            cfg, vocab_size, padded_vocab_size, state, sequence_parallel=sequence_parallel
-        )
-        self.embedding = stage_embedding(embedding, state)
+        self.embedding = None
+        if self.pre_process or self.post_process:
+            self.embedding = Embedding(
+                cfg, vocab_size, padded_vocab_size, state, tracker, 0, sequence_parallel
+            )
         self.transformer = TransformerStack(
             cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
         )

@@ -22,7 +22,12 @@ from torch import Tensor, nn
 from megatron.models.document_mask import BlockMask, attention
 from megatron.models.kv_cache import KVCache
 from megatron.parallel import sequence_parallel as sp
-from megatron.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megatron.parallel.layers import (
+    ColumnParallelLinear,
+    InitMethod,
+    RowParallelLinear,
+    normal_init,
+)
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
@@ -33,6 +38,13 @@ def layer_norm(cfg, state: ParallelState, sequence_parallel: bool) -> nn.LayerNo
     if sp.sequence_group(state, sequence_parallel) is not None:
         sp.mark_sequence_parallel(*ln.parameters())
     return ln
+
+
+def init_methods(cfg, generator: torch.Generator) -> tuple[InitMethod, InitMethod]:
+    """N(0, std) for the matrices that open a parallel region, and N(0, std / sqrt(2 layers)) for
+    those that close one into the residual stream (GPT-2's scaled init), both from ``generator``."""
+    out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    return normal_init(cfg.init_method_std, generator), normal_init(out_std, generator)
 
 
 class ParallelAttention(nn.Module):
@@ -48,18 +60,18 @@ class ParallelAttention(nn.Module):
         cfg,
         state: ParallelState,
         tracker: RNGTracker,
-        layer_index: int,
+        generator: torch.Generator,
+        kv_slot: int,
         sequence_parallel: bool = False,
     ):
         super().__init__()
-        self.layer_index = layer_index  # this layer's slot in a KV cache
+        self.kv_slot = kv_slot
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.heads_per_partition = heads // state.tp_size
         self.head_dim = h // heads
         self.dropout = cfg.attention_dropout
         self.tracker = tracker
-        init = normal_init(cfg.init_method_std)
-        out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        init, out_init = init_methods(cfg, generator)
         self.qkv = ColumnParallelLinear(h, 3 * h, state, init, sequence_parallel=sequence_parallel)
         self.dense = RowParallelLinear(h, h, state, out_init, sequence_parallel=sequence_parallel)
 
@@ -80,7 +92,7 @@ class ParallelAttention(nn.Module):
         if kv_cache is not None:
             attn_mask = kv_cache.causal_mask(s, x.device)
             causal = attn_mask is None and kv_cache.length == 0
-            k, v = kv_cache.append(self.layer_index, k, v)  # [b, heads_pp, cached + s, head_dim]
+            k, v = kv_cache.append(self.kv_slot, k, v)  # [b, heads_pp, cached + s, head_dim]
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:
             # Nothing is drawn, so the RNG fork is skipped: it swaps generator states, which
@@ -104,12 +116,17 @@ def gelu(x: Tensor, activation: str) -> Tensor:
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel)."""
 
-    def __init__(self, cfg, state: ParallelState, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        cfg,
+        state: ParallelState,
+        generator: torch.Generator,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.activation = cfg.activation
         h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
-        init = normal_init(cfg.init_method_std)
-        out_init = normal_init(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        init, out_init = init_methods(cfg, generator)
         self.fc1 = ColumnParallelLinear(h, ffn, state, init, sequence_parallel=sequence_parallel)
         self.fc2 = RowParallelLinear(ffn, h, state, out_init, sequence_parallel=sequence_parallel)
 
@@ -120,7 +137,10 @@ class ParallelMLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)). Post-LN: LN(x + Attn(x)), LN(x + MLP(x)).
 
-    ``x`` is [b, s, h], or this rank's [b, s / tp, h] with ``sequence_parallel``.
+    ``x`` is [b, s, h], or this rank's [b, s / tp, h] with ``sequence_parallel``. ``index`` is
+    the layer's global index: its initial values come from that index's stream alone
+    (``RNGTracker.init_generator``). ``kv_slot``, its place in a KV cache, is ``index`` unless
+    the layer sits in a pipeline stage (which caches only its own layers).
     """
 
     def __init__(
@@ -128,15 +148,20 @@ class TransformerLayer(nn.Module):
         cfg,
         state: ParallelState,
         tracker: RNGTracker,
-        layer_index: int,
+        index: int,
         sequence_parallel: bool = False,
+        kv_slot: int | None = None,
     ):
         super().__init__()
         self.pre_ln = cfg.layernorm_position == "pre"
+        generator = tracker.init_generator(index)
+        kv_slot = index if kv_slot is None else kv_slot
         self.ln1 = layer_norm(cfg, state, sequence_parallel)
-        self.attention = ParallelAttention(cfg, state, tracker, layer_index, sequence_parallel)
+        self.attention = ParallelAttention(
+            cfg, state, tracker, generator, kv_slot, sequence_parallel
+        )
         self.ln2 = layer_norm(cfg, state, sequence_parallel)
-        self.mlp = ParallelMLP(cfg, state, sequence_parallel)
+        self.mlp = ParallelMLP(cfg, state, generator, sequence_parallel)
         self.dropout = cfg.hidden_dropout
         self.seq_group = sp.sequence_group(state, sequence_parallel)
 
@@ -180,9 +205,8 @@ class TransformerStack(nn.Module):
     its input and output are this rank's sequence slice.
 
     ``chunks`` (a pipeline stage): the global indices of the layers this stage holds, one range
-    per model chunk; ``forward(chunk=c)`` runs chunk c's. Every layer of the model is still drawn,
-    in order, and the others dropped at once: the default generator then moves exactly as in the
-    whole model, so a stage's layers equal the whole model's (as TP slices do). The final
+    per model chunk; ``forward(chunk=c)`` runs chunk c's. Only those layers are built, each from
+    its own global index's stream, so they equal the whole model's (as TP slices do). The final
     LayerNorm belongs to the chunk that holds the last layer.
     """
 
@@ -196,18 +220,14 @@ class TransformerStack(nn.Module):
     ):
         super().__init__()
         chunks = chunks or [range(cfg.num_layers)]
-        kept = {i for chunk in chunks for i in chunk}
-        layers = {}
-        for i in range(cfg.num_layers):
-            # Local slot i - (layers before it here): the KV cache holds this stage's layers.
-            layer = TransformerLayer(cfg, state, tracker, len(layers), sequence_parallel)
-            if i in kept:
-                layers[i] = layer
-        self.layers = LayerSlots(layers)
-        position = {index: p for p, index in enumerate(layers)}  # global index -> local slot
-        self.chunk_slices = [slice(position[c[0]], position[c[-1]] + 1) for c in chunks]
+        held = [i for chunk in chunks for i in chunk]  # global indices, in local order
+        slots = {index: slot for slot, index in enumerate(held)}  # the KV cache holds these only
+        self.layers = LayerSlots(
+            {i: TransformerLayer(cfg, state, tracker, i, sequence_parallel, slots[i]) for i in held}
+        )
+        self.chunk_slices = [slice(slots[c[0]], slots[c[-1]] + 1) for c in chunks]
         self.final_ln = None
-        if cfg.layernorm_position == "pre" and cfg.num_layers - 1 in kept:
+        if cfg.layernorm_position == "pre" and cfg.num_layers - 1 in held:
             self.final_ln = layer_norm(cfg, state, sequence_parallel)
         self.recompute = cfg.recompute == "full"
         self.tracker = tracker

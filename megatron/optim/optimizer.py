@@ -34,7 +34,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,6 @@ from megatron.config.schema import OptimizerConfig
 from megatron.errors import ConfigError
 from megatron.optim.grad_scaler import GradScaler
 from megatron.parallel.state import ParallelState
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -103,15 +100,18 @@ class MainParamOptimizer(ABC):
     """The step shared by both optimizers (see the module docstring), over ``main_params``: fp32
     tensors, each a whole parameter or a piece of one, each with its own fp32 gradient.
 
-    A subclass builds its main params, calls ``_setup``, and says how gradients reach them
-    (``_attach_grads``), how the flag and the squared norm are reduced (``_reduce``) and how the
-    updated values reach the model (``_copy_back``).
+    The interface the loop and the checkpoints use: ``step``, ``zero_grad``, ``scale_loss``,
+    ``lr``/``set_lr``, ``scaler``, ``names``, ``state_bytes``, ``reload_main_params``,
+    ``state_dict``/``load_state_dict``. A subclass builds its main params, calls ``_setup``, and
+    says how gradients reach them (``_attach_grads``), how the flag and the squared norm are
+    reduced (``_reduce``) and how the updated values reach the model (``_copy_back``).
     """
 
     def __init__(self, cfg: OptimizerConfig, scaler: GradScaler, state: ParallelState):
         self.cfg, self.scaler, self.state = cfg, scaler, state
         self.clip_grad = cfg.clip_grad
-        self.model_params: list[nn.Parameter] = []
+        self.names: list[str] = []  # trainable parameters' names: state_dict()["params"] keys
+        self.model_params: list[nn.Parameter] = []  # those parameters, in the same order
 
     def _setup(
         self, mains: list[Tensor], decay: list[bool], split: list[bool], counted: list[bool]
@@ -167,6 +167,22 @@ class MainParamOptimizer(ABC):
     @abstractmethod
     def _copy_back(self) -> None:
         """Make the model's parameters hold the (updated) main params, in the model's dtype."""
+
+    @abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (fp32 main copies, Adam moments) this rank holds."""
+
+    @abstractmethod
+    def reload_main_params(self) -> None:
+        """Overwrite the fp32 main copies with the model's parameters (after loading weights)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """``{"params": {name: {"exp_avg", "exp_avg_sq", "step", ["main"]}}, "grad_scaler"}``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output into the main copies, moments, steps and scaler."""
 
     def _release_grads(self) -> None:
         # An fp32 param's .grad is now a view of its main_grad bucket: left in place, the next
@@ -234,7 +250,6 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
         state: ParallelState,
     ):
         super().__init__(cfg, scaler, state)
-        self.names: list[str] = []
         mains: list[Tensor] = []
         for name, param in named_params:
             if not param.requires_grad:

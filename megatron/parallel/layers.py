@@ -1,7 +1,8 @@
 """Tensor-parallel layers: each holds one slice of a matrix that the serial model holds whole.
 
-Initialisation draws the full matrix from the (TP-wide identical) default generator and keeps this
-rank's slice, so a TP=N model holds exactly the slices of the TP=1 model. Every split parameter
+Initialisation draws the full matrix from the layer's generator (the same stream on every TP rank,
+``RNGTracker.init_generator``) and keeps this rank's slice, so a TP=N model holds exactly the
+slices of the TP=1 model. Every split parameter
 carries ``tp_split_dim``; replicated ones carry nothing. Clipping, weight-decay grouping and
 checkpoint resharding all read that one attribute. A parameter whose dim 0 is the padded
 vocabulary (the word table, BERT's LM-head bias) also carries ``vocab_padded = True``, so
@@ -42,9 +43,9 @@ from megatron.parallel.state import ParallelState
 InitMethod = Callable[[Tensor], Tensor]
 
 
-def normal_init(std: float) -> InitMethod:
-    """N(0, std), drawn from the default generator of the tensor's device."""
-    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+def normal_init(std: float, generator: torch.Generator | None = None) -> InitMethod:
+    """N(0, std), drawn from ``generator`` (one on the tensor's device; None: the default one)."""
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std, generator=generator)
 
 
 def split_dim(param: Tensor) -> int | None:
@@ -160,8 +161,8 @@ class LinearWithGradReduce(torch.autograd.Function):
             if ctx.main_grad is not None:
                 _accumulate_wgrad(ctx.main_grad, grad_2d, x_2d)
             else:
-                # The product autograd's linear forms ((X^T dY)^T), so both paths match exactly.
-                grad_weight = x_2d.t().mm(grad_2d).t()  # [out, in]
+                # The product autograd's linear forms (dY^T X), so both paths match exactly.
+                grad_weight = grad_2d.t().mm(x_2d)  # [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)  # [out]
         if handle is not None:

@@ -12,8 +12,9 @@ inside a node where NVLink is), pipeline stages next, DP outermost. For 8 ranks 
     model-parallel (same dp):        [0 1 2 3] [4 5 6 7]     (the gradient norm's sum)
     embedding (first + last stage):  [0 2] [1 3] [4 6] [5 7] (tied word-embedding gradients)
 
-``rank % tp`` is the TP rank, ``rank // tp % pp`` the stage and ``rank // (tp * pp)`` the DP
-index. Peer liveness (the heartbeat) is ``megatron.launch.heartbeat``'s.
+A rank's place in the grid is its (DP index, stage, TP rank). Which ranks hold copies of the same
+values (the replicas a loss is averaged over, the one rank of a replica that reports its metrics)
+is this module's to say. Peer liveness (the heartbeat) is ``megatron.launch.heartbeat``'s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.errors import ConfigError
 from megatron.parallel.launcher import launcher_env
 from megatron.parallel.pipeline.p2p import PipelineGroup
 
@@ -53,6 +53,8 @@ class ParallelState:
     # This pipeline's first and last stage (same TP rank): the tied word embedding's two copies.
     # None on the other stages and without pipeline parallelism.
     embedding_group: dist.ProcessGroup | None = None
+    # The whole world over gloo, for host values (the memory figures): no device in the way.
+    host_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -68,6 +70,19 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         """True on the stage that holds the heads and computes the loss (every rank without PP)."""
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def replicas(self) -> int:
+        """The model replicas that train on different data (the DP ranks): the step's losses,
+        metrics and gradients are averaged over them."""
+        return self.dp_size
+
+    @property
+    def reports_metrics(self) -> bool:
+        """True on the one rank of each replica whose loss and metrics count in their sum over
+        the world: TP rank 0 (the TP ranks hold the same values) of the last stage (the one that
+        computes the loss)."""
+        return self.tp_rank == 0 and self.is_last_stage
 
     @property
     def pipeline(self) -> PipelineGroup:
@@ -91,26 +106,20 @@ class ParallelState:
         collective (offline tools, and the serial reference inside multi-process tests)."""
         return cls(0, 1, 0, 1, 0, None, 1, 0, None, device)
 
+    @property
+    def writes_checkpoint_shard(self) -> bool:
+        """Whether this rank writes its (TP, PP) rank's checkpoint shard.
 
-def rank_grid(world_size: int, tp_size: int, pp_size: int = 1) -> torch.Tensor:
-    """The ``[dp, pp, tp]`` grid of global ranks; a world that tp * pp does not divide is a
-    user error."""
-    if tp_size < 1 or world_size % tp_size:
-        raise ConfigError(
-            f"parallel.tensor_parallel_size={tp_size} does not divide the world size {world_size}; "
-            f"use a divisor of {world_size} or launch a multiple of {tp_size} processes"
-        )
-    if pp_size < 1 or world_size % (tp_size * pp_size):
-        raise ConfigError(
-            f"parallel.tensor_parallel_size={tp_size} x parallel.pipeline_parallel_size="
-            f"{pp_size} does not divide the world size {world_size}; launch a multiple of "
-            f"{tp_size * pp_size} processes"
-        )
-    return torch.arange(world_size).view(world_size // (tp_size * pp_size), pp_size, tp_size)
+        The shards are identical over DP, so the shard of TP rank t in stage p is written by DP
+        rank ``(p * tp + t) % dp``: with several DP replicas (nodes) the writing spreads over
+        them instead of one node pushing everything (rank 0 always writes shard (0, 0)).
+        """
+        return (self.pp_rank * self.tp_size + self.tp_rank) % self.dp_size == self.dp_rank
 
 
 def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) -> ParallelState:
-    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/PP/DP groups.
+    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/PP/DP groups, for a
+    world that tp * pp divide (the callers' config checks tell a user who asks for another).
 
     With no launcher this makes a world of one over an in-memory store, so the same code path
     (collectives on size-1 groups, barriers) runs everywhere.
@@ -118,7 +127,7 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) ->
     env = launcher_env()
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
-    grid = rank_grid(world_size, tp_size, pp_size)
+    grid = torch.arange(world_size).view(-1, pp_size, tp_size)  # [dp, pp, tp]
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -165,23 +174,26 @@ def build_state(
             group = dist.new_group(row, timeout=timeout)
             if rank in row:
                 mine[name], ranks[name] = group, row
+    host_group = dist.new_group(timeout=timeout, backend="gloo")
+    dp_rank, pp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()  # this rank's place
     return ParallelState(
         rank=rank,
         world_size=grid.numel(),
         local_rank=local_rank,
         tp_size=tp_size,
-        tp_rank=rank % tp_size,
+        tp_rank=tp_rank,
         tp_group=mine["tp"],
         dp_size=dp_size,
-        dp_rank=rank // (tp_size * pp_size),
+        dp_rank=dp_rank,
         dp_group=mine["dp"],
         device=device,
         pp_size=pp_size,
-        pp_rank=rank // tp_size % pp_size,
+        pp_rank=pp_rank,
         pp_group=mine["pp"],
         pp_ranks=tuple(ranks["pp"]),
         mp_group=mine["mp"],
         embedding_group=mine.get("embedding"),
+        host_group=host_group,
     )
 
 

@@ -1,6 +1,6 @@
 """The iteration loop: micro-batches -> forward/backward -> DP gradient sync -> unscale/check/
 clip/step (with the metrics and exit flags in its all-reduce, and the iteration's one host sync at
-its end) -> LR step -> evaluate -> log -> save, and the ``Progress`` a checkpoint carries.
+its end) -> LR step -> evaluate -> log -> save.
 
 ``megatron.training.pretrain`` builds everything this loop needs and hands it over; nothing
 here reads the launcher or builds a model.
@@ -16,8 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,39 +27,21 @@ from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
 from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import MixedPrecisionOptimizer, StepResult
+from megatron.optim.optimizer import MainParamOptimizer, StepResult
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
-from megatron.parallel.random import RNGTracker
 from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy
-from megatron.training.metrics import LogWindow, MetricsLogger, memory_mb
+from megatron.training.metrics import LogWindow, MetricsLogger, gather_memory, memory_mb
+from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
+from megatron.training.train_state import Progress, TrainState
 
 Batch = dict[str, Tensor]
-# forward_step(model, batch) -> (loss to minimise, {metric name: detached scalar tensor}); on a
-# pipeline chunk whose ``model.computes_loss`` is False: (activation for the next stage, {}).
-ForwardStep = Callable[[nn.Module, Batch], tuple[Tensor, dict[str, Tensor]]]
-
-
-@dataclass
-class Progress:
-    """Where the run stands; saved with every checkpoint (JSON)."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iters: int = 0  # steps not applied: overflow or a non-finite gradient
-    nan_iters: int = 0  # of those, the ones whose loss itself was not finite
-    consecutive_skips: int = 0
-    window: LogWindow = field(default_factory=LogWindow)  # iterations not logged yet
-
-    @classmethod
-    def restore(cls, saved: dict[str, Any]) -> Progress:
-        """From load_checkpoint's dict; keys an older checkpoint lacks keep their defaults."""
-        names = set(cls.__dataclass_fields__) - {"window"}
-        counters = {k: v for k, v in saved.items() if k in names}
-        return cls(**counters, window=LogWindow(**saved.get("window", {})))
+# forward_step(model, batch) -> each loss's sum and count (``LossSums``), which the library
+# normalises; on a pipeline chunk whose ``model.computes_loss`` is False: the activation for the
+# next stage.
+ForwardStep = Callable[[nn.Module, Batch], LossSums | Tensor]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -69,16 +50,13 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 @dataclass
 class TrainLoop:
-    """The iteration loop and its bookkeeping; one instance per run."""
+    """The iteration loop and its bookkeeping; one instance per run. It trains ``train``, the
+    state its checkpoints save."""
 
     cfg: Config
     state: ParallelState
-    model: nn.Module
+    train: TrainState
     ddp: DataParallel
-    optimizer: MixedPrecisionOptimizer
-    schedule: LRSchedule
-    tracker: RNGTracker
-    progress: Progress
     metrics: MetricsLogger
     forward_step: ForwardStep
     num_micro: int
@@ -87,6 +65,23 @@ class TrainLoop:
     stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
     checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
 
+    # The parts of ``train`` the step reads, by their short names.
+    @property
+    def model(self) -> nn.Module:
+        return self.train.model
+
+    @property
+    def optimizer(self) -> MainParamOptimizer:
+        return self.train.optimizer
+
+    @property
+    def schedule(self) -> LRSchedule:
+        return self.train.schedule
+
+    @property
+    def progress(self) -> Progress:
+        return self.train.progress
+
     def logs_at(self, iteration: int) -> bool:
         """Whether ``iteration`` ends with a training line."""
         t = self.cfg.training
@@ -94,44 +89,40 @@ class TrainLoop:
 
     def train_step(
         self, data: Iterator[Batch], policy: ExitPolicy
-    ) -> tuple[StepResult, dict[str, float], dict[str, list[float]], list[float]]:
+    ) -> tuple[StepResult, dict[str, float], dict[str, float], list[float]]:
         """One optimizer step over ``num_micro`` micro-batches: its result, the metrics averaged
-        over the micro-batches and DP, every rank's memory figures when this step is logged
-        ({} otherwise), and the exit flags summed over the world.
+        over the micro-batches and the replicas, this rank's memory figures when this step is
+        logged ({} otherwise), and the exit flags summed over the world.
 
         Nothing here waits for the device but the optimizer's one host sync, after the step's
-        last kernel; the metrics, the memory and the flags ride in the step's all-reduce and
-        that sync.
+        last kernel; the metrics and the flags ride in the step's all-reduce and that sync.
         """
         self.ddp.zero_grad_buffer()
-        sums: dict[str, Tensor] = {}
+        step = StepReduction(self.state)
         if self.stage is not None:
-            sums = self._pipeline_step(data)
+            step.add(self._pipeline_step(data), self.num_micro)
         else:
             for i in range(self.num_micro):
                 batch = to_device(next(data), self.state.device)
                 # Only the last micro-batch's backward all-reduces gradients over DP.
                 last = i == self.num_micro - 1
                 with contextlib.nullcontext() if last else self.ddp.no_sync():
-                    loss, values = self.forward_step(self.model, batch)
+                    loss, values = micro_batch_loss(self.forward_step(self.model, batch))
                     self.optimizer.scale_loss(loss / self.num_micro).backward()
-                for name, value in values.items():
-                    sums[name] = sums.get(name, 0.0) + value.detach().float()
+                step.add(values)
         self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
         # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
         # slice of the sequence only; one all-reduce over TP sums them before clipping.
         if self.cfg.parallel.sequence_parallel:  # else no parameter is flagged: skip the scan
             allreduce_sequence_parallel_grads(self.model, self.state.tp_group)
-        means = {k: v / self.num_micro for k, v in sums.items()}
+        # A logged step's memory: host-side reads, after backward and before the update.
+        logged = self.logs_at(self.progress.iteration + 1)
+        memory = memory_mb(self.state.device, self.optimizer.state_bytes()) if logged else {}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
-        # A logged step's memory (host-side reads: after backward, before the update) rides too.
-        memory: dict[str, float] = {}
-        if self.logs_at(self.progress.iteration + 1):
-            memory = memory_mb(self.state.device, self.optimizer.state_bytes())
-        result = self.optimizer.step(policy.contribution(means, self.state, [*memory.values()]))
-        means, per_rank, flags = policy.split_sums(list(sums), result.sums, self.state, len(memory))
-        return result, means, dict(zip(memory, per_rank, strict=True)), flags
+        result = self.optimizer.step(step.pack(policy.local_flags()))
+        means, flags = step.unpack(result.sums)
+        return result, means, memory, flags
 
     def _pipeline_step(self, data: Iterator[Batch]) -> dict[str, Tensor]:
         """The step's forwards and backwards through the pipeline schedule; the metrics summed
@@ -151,7 +142,7 @@ class TrainLoop:
             self.ddp.sync_backward(microbatch == self.num_micro - 1)
 
         with self.ddp.no_sync():
-            sums, _ = self.stage.run(batches, self.num_micro, scale, sync_last)
+            sums, _ = self.stage.run(batches, self.num_micro, micro_batch_loss, scale, sync_last)
         allreduce_tied_grads(self.model, self.state)
         return sums
 
@@ -159,32 +150,30 @@ class TrainLoop:
     def evaluate(
         self, data: Iterator[Batch], iters: int, policy: ExitPolicy
     ) -> tuple[dict[str, float], list[float]]:
-        """``iters`` steps of evaluation on ``data``: the metrics averaged over them and DP, and
-        the exit flags summed over the world (agreed after the evaluation, so a signal that came
-        during it counts now); one all-reduce and one host sync."""
+        """``iters`` steps of evaluation on ``data``: the metrics averaged over them and the
+        replicas, and the exit flags summed over the world (agreed after the evaluation, so a
+        signal that came during it counts now); one all-reduce and one host sync."""
         self.model.eval()
-        sums: dict[str, Tensor] = {}
+        step = StepReduction(self.state)
         if self.stage is not None:
             # The forward-only schedule, one step's micro-batches at a time.
             for _ in range(iters):
                 batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
-                step_sums, _ = self.stage.run(batches, self.num_micro, forward_only=True)
-                for name, value in step_sums.items():
-                    sums[name] = sums.get(name, 0.0) + value
+                sums, _ = self.stage.run(
+                    batches, self.num_micro, micro_batch_loss, forward_only=True
+                )
+                step.add(sums, self.num_micro)
         else:
             for _ in range(iters * self.num_micro):
                 batch = to_device(next(data), self.state.device)
-                for name, value in self.forward_step(self.model, batch)[1].items():
-                    sums[name] = sums.get(name, 0.0) + value.float()
+                step.add(micro_batch_loss(self.forward_step(self.model, batch))[1])
         self.model.train()
-        count = iters * self.num_micro
-        local = policy.contribution({k: v / count for k, v in sums.items()}, self.state)
+        local = step.pack(policy.local_flags())
         if self.state.world_size > 1:
-            # The means over DP, and the flags of every rank, so that all stop together.
+            # The means over the replicas, and the flags of every rank, so that all stop together.
             dist.all_reduce(local)
         # The evaluation's one host sync: its means are logged now.
-        means, _, flags = policy.split_sums(list(sums), local.tolist(), self.state)
-        return means, flags
+        return step.unpack(local.tolist())
 
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.save (if set); with
@@ -193,18 +182,8 @@ class TrainLoop:
             if self.checkpointer is None:
                 async_save = self.cfg.checkpoint.async_save
                 self.checkpointer = Checkpointer(async_save, self.metrics.record)
-            self.checkpointer.save(
-                self.cfg.checkpoint.save,
-                self.progress.iteration,
-                self.model,
-                self.optimizer,
-                self.schedule,
-                self.tracker,
-                asdict(self.progress),
-                self.cfg,
-                self.state,
-                self.vocab_size,
-            )
+            save_dir = self.cfg.checkpoint.save
+            self.checkpointer.save(save_dir, self.train, self.cfg, self.state, self.vocab_size)
 
     def run(
         self,
@@ -271,8 +250,8 @@ class TrainLoop:
                     "loss scale": result.loss_scale,
                     "grad norm": result.grad_norm,
                 }
-                samples = p.consumed_train_samples
-                self.metrics.training(p.iteration, samples, p.window, step, memory)
+                samples, every_rank = p.consumed_train_samples, gather_memory(memory, self.state)
+                self.metrics.training(p.iteration, samples, p.window, step, every_rank)
                 p.window = LogWindow()
             if evaluated is not None:
                 self.metrics.validation(p.iteration, p.consumed_train_samples, evaluated)

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.config.schema import Config
 from megatron.estimate.flops import flops_per_iteration
 from megatron.logging import log
+from megatron.parallel.state import ParallelState
 
 # The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
 # first number after "peak memory (MB): " stays rank 0's, as tools/gpu_check reads it).
@@ -51,6 +53,23 @@ def memory_mb(device: torch.device, optimizer_bytes: int) -> dict[str, float]:
         "mem_peak_mb": peak / MB,
         "mem_allocated_mb": now / MB,
     }
+
+
+def gather_memory(memory: dict[str, float], state: ParallelState) -> dict[str, list[float]]:
+    """Every rank's ``memory_mb`` figures (index: global rank) on a logged step, {} on others
+    (every rank logs the same steps). Host floats, gathered in CPU tensors over the gloo group and
+    read through numpy: nothing waits for the device (tests/test_host_syncs.py counts torch's
+    reads on any device, so a host-only read through torch would count as a sync).
+    """
+    if not memory:
+        return {}
+    mine = torch.tensor([*memory.values()], dtype=torch.float64)
+    ranks = [mine]
+    if state.world_size > 1:
+        ranks = [torch.empty_like(mine) for _ in range(state.world_size)]
+        dist.all_gather(ranks, mine, group=state.host_group)
+    table = torch.stack(ranks).numpy()  # [world, figures]
+    return {name: table[:, i].tolist() for i, name in enumerate(memory)}
 
 
 class _NullWriter:

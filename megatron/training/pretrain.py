@@ -43,6 +43,7 @@ from megatron.launch.heartbeat import PEER_FAILURE, Heartbeat
 from megatron.launch.preflight import validate
 from megatron.launch.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
 from megatron.logging import log, setup_logging
+from megatron.models.build import build_model
 from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.parallel import state as parallel_state
@@ -52,26 +53,25 @@ from megatron.parallel.pipeline.stage import PipelineStage, activation_spec
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy, ExitSignal
-from megatron.training.loop import Batch, ForwardStep, Progress, TrainLoop
+from megatron.training.loop import Batch, ForwardStep, TrainLoop
 from megatron.training.metrics import MetricsLogger, Workload
+from megatron.training.train_state import Progress, TrainState
 
-ModelProvider = Callable[[Config, int, int, ParallelState, RNGTracker], nn.Module]
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
 
 
 def main(
     argv: list[str],
     description: str,
-    model_provider: ModelProvider,
     datasets_provider: DatasetsProvider,
     forward_step: ForwardStep,
     model_type: str = "gpt",
 ) -> int:
     """Entry point: parse, validate, train; a user mistake is one line on rank 0 and exit 2.
 
-    ``model_type`` ("gpt" or "bert") is this entrypoint's: a config whose ``model.type`` names
-    the other is refused, and the run's config (printed, saved) holds only this model's sections.
-    The dry run reports that model's parameter count.
+    ``model_type`` ("gpt" or "bert") is this entrypoint's, the model ``models/build.py`` builds:
+    a config whose ``model.type`` names the other is refused, and the run's config (printed,
+    saved) holds only this model's sections. The dry run reports that model's parameter count.
     """
     try:
         cfg, args = parse_args(argv, description)
@@ -86,20 +86,16 @@ def main(
             from megatron.launch.dry_run import dry_run
 
             return dry_run(cfg, args, model_type)
-        return pretrain(cfg, model_provider, datasets_provider, forward_step)
+        return pretrain(cfg, datasets_provider, forward_step)
     except ConfigError as err:
         if int(launcher_env()["RANK"]) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
 
-def pretrain(
-    cfg: Config,
-    model_provider: ModelProvider,
-    datasets_provider: DatasetsProvider,
-    forward_step: ForwardStep,
-) -> int:
-    """Train as ``cfg`` says; returns the process exit code (3: NaN stop, 1: a peer was lost)."""
+def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: ForwardStep) -> int:
+    """Train the ``cfg.model.type`` model as ``cfg`` says; returns the process exit code (3: NaN
+    stop, 1: a peer was lost)."""
     world_size = int(launcher_env()["WORLD_SIZE"])
     validate(cfg, world_size)  # every user mistake surfaces here, before any collective
     start_time = time.time()
@@ -122,9 +118,7 @@ def pretrain(
             heartbeat = Heartbeat(state.rank, state.world_size, grace, lock.release)
         policy = ExitPolicy(cfg.training, exit_signal, start_time)
         try:
-            code = _train(
-                cfg, state, model_provider, datasets_provider, forward_step, policy, heartbeat
-            )
+            code = _train(cfg, state, datasets_provider, forward_step, policy, heartbeat)
         except Exception as err:
             if heartbeat is None:
                 raise
@@ -152,7 +146,6 @@ def _peer_failure(err: Exception, heartbeat: Heartbeat) -> int:
 def _train(
     cfg: Config,
     state: ParallelState,
-    model_provider: ModelProvider,
     datasets_provider: DatasetsProvider,
     forward_step: ForwardStep,
     policy: ExitPolicy,
@@ -191,7 +184,7 @@ def _train(
     # cache's barrier, so none is left waiting in a collective.
     check_data_ids(cfg.data, tokenizer.vocab_size)
     padded_vocab = derived.padded_vocab_size(tokenizer.vocab_size)
-    model = model_provider(cfg, tokenizer.vocab_size, padded_vocab, state, tracker)
+    model = build_model(cfg.model.type, cfg, tokenizer.vocab_size, padded_vocab, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
     n_params = sum(p.numel() for p in model.parameters())
     # Rank 0's share: its TP slice of its pipeline stage.
@@ -209,7 +202,7 @@ def _train(
     optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
     schedule = LRSchedule.from_config(cfg.optimizer)
 
-    progress = Progress()
+    train = TrainState(model, optimizer, schedule, tracker)
     load_dir, weights_only = _resume_source(cfg)
     if load_dir is not None:
         if cfg.checkpoint.finetune and not weights_only:
@@ -219,20 +212,10 @@ def _train(
                 load_dir,
                 cfg.checkpoint.load,
             )
-        saved = checkpoint.load_checkpoint(
-            load_dir,
-            model,
-            optimizer,
-            schedule,
-            tracker,
-            state,
-            tokenizer.vocab_size,
-            finetune=weights_only,
-        )
-        if saved is not None:
-            progress = Progress.restore(saved)
+        checkpoint.load_checkpoint(load_dir, train, state, tokenizer.vocab_size, weights_only)
         how = "fine-tuning the weights of" if weights_only else "resumed from"
-        log.info("%s %s at iteration %d", how, load_dir, progress.iteration)
+        log.info("%s %s at iteration %d", how, load_dir, train.progress.iteration)
+    progress = train.progress
     if progress.iteration >= cfg.training.train_iters:
         log.info(
             "already at iteration %d >= training.train_iters=%d; nothing to do; raise "
@@ -251,12 +234,8 @@ def _train(
     loop = TrainLoop(
         cfg,
         state,
-        model,
+        train,
         ddp,
-        optimizer,
-        schedule,
-        tracker,
-        progress,
         metrics,
         forward_step,
         derived.num_micro_batches,

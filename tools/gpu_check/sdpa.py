@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from megatron.config.schema import ModelConfig
-from megatron.models.bert import BertModel
-from megatron.models.gpt import GPTModel
+from megatron.config.load import load_config
+from megatron.models.build import build_model
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
+from tools.gpu_check.environment import ROOT
 
 BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
 # Profiler names that say which attention ran: aten's per-backend operators (the CPU's
@@ -70,21 +70,19 @@ def probe_backends(shape: dict[str, int], device: torch.device, dtype: torch.dty
 
 
 def _models(shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    heads, head_dim = shape["heads"], shape["head_dim"]
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=heads * head_dim,
-        num_attention_heads=heads,
-        seq_length=shape["seq"],
-        max_position_embeddings=shape["seq"],
-        ffn_hidden_size=4 * heads * head_dim,
-    )
+    heads, head_dim, seq = shape["heads"], shape["head_dim"], shape["seq"]
+    # The tiny GPT config at the plan's shape: its other model keys are the defaults (dropout
+    # 0.1, as in the probe), and BERT's heads too.
+    shaped = {"num_layers": 2, "hidden_size": heads * head_dim, "num_attention_heads": heads}
+    shaped |= {"seq_length": seq, "max_position_embeddings": seq}
+    overrides = [f"model.{key}={value}" for key, value in shaped.items()]
+    cfg = load_config([str(ROOT / "configs" / "gpt_tiny.yaml")], overrides)
     state = ParallelState.serial(device)
     tracker = RNGTracker(device)
     tracker.seed(1234, 0)
     padded = -(-_VOCAB // 128) * 128
-    gpt = GPTModel(cfg, _VOCAB, padded, state, tracker).to(dtype)
-    bert = BertModel(cfg, _VOCAB, padded, state, tracker).to(dtype)
+    gpt = build_model("gpt", cfg, _VOCAB, padded, state, tracker).to(dtype)
+    bert = build_model("bert", cfg, _VOCAB, padded, state, tracker).to(dtype)
     return {"gpt": gpt, "bert": bert}
 
 

@@ -4,8 +4,8 @@ step's micro-batches through 1F1B (or interleaved 1F1B), and the tied embedding'
 The entrypoint's ``forward_step(model, batch)`` runs unchanged on every chunk: it is handed a
 ``ChunkView`` of the stage's model that passes the received activation and the chunk index on
 to the model, and says through ``computes_loss`` whether this chunk ends in the loss (the last
-stage's last chunk). There forward_step returns the loss and its metrics; on every other chunk
-the activation for the next stage and no metrics.
+stage's last chunk). There forward_step returns its loss sums, which the loop's ``loss_of`` turns
+into the micro-batch's loss and metrics; on every other chunk the activation for the next stage.
 
 Metrics exist on the last stage only. Every stage returns one value per metric name (zeros
 before the last stage), so the loop's world all-reduce has the same length everywhere and sums
@@ -32,9 +32,11 @@ from megatron.parallel.pipeline.schedules import (
 )
 from megatron.parallel.state import ParallelState
 
-# As megatron.training.loop's (which imports this module): the loop's batch and forward_step.
+# As megatron.training.loop's (which imports this module): the loop's batch, forward_step, and
+# loss_of (a micro-batch's loss and metrics from forward_step's loss sums).
 Batch = dict[str, Tensor]
-ForwardStep = Callable[[Any, Batch], tuple[Tensor, dict[str, Tensor]]]
+ForwardStep = Callable[[Any, Batch], Any]
+LossOf = Callable[[Any], tuple[Tensor, dict[str, Tensor]]]
 
 
 class ChunkView:
@@ -93,17 +95,19 @@ class PipelineStage:
         self.num_chunks = model.num_chunks
         self.names: dict[bool, list[str]] = {}  # metric names per kind of run (forward_only)
 
-    def _chunk(self, chunk: int, metrics: list[dict[str, Tensor]]) -> Callable:
-        """Chunk ``chunk`` as the schedules call it: ``(hidden, batch) -> output``; the metrics
-        of a chunk that computes the loss go into ``metrics``."""
+    def _chunk(self, chunk: int, loss_of: LossOf, metrics: list[dict[str, Tensor]]) -> Callable:
+        """Chunk ``chunk`` as the schedules call it: ``(hidden, batch) -> output``; a chunk that
+        computes the loss returns ``loss_of`` its loss sums, and their metrics go into
+        ``metrics``."""
         computes_loss = self.state.is_last_stage and chunk == self.num_chunks - 1
 
         def run(hidden: Tensor | None, batch: Batch) -> Tensor:
-            view = ChunkView(self.model, chunk, hidden, computes_loss)
-            output, values = self.forward_step(view, batch)
-            if computes_loss:
-                metrics.append(values)
-            return output
+            output = self.forward_step(ChunkView(self.model, chunk, hidden, computes_loss), batch)
+            if not computes_loss:
+                return output
+            loss, values = loss_of(output)
+            metrics.append(values)
+            return loss
 
         return run
 
@@ -111,16 +115,17 @@ class PipelineStage:
         self,
         batches: Iterator[Batch],
         num_micro: int,
+        loss_of: LossOf,
         scale_loss: LossScale | None = None,
         before_backward: BackwardHook | None = None,
         forward_only: bool = False,
     ) -> tuple[dict[str, Tensor], ScheduleResult]:
         """``num_micro`` micro-batches from ``batches`` (on the device), forward and backward
-        (backpropagating ``scale_loss(loss)``, calling ``before_backward(chunk, microbatch)``
-        before each backward) or ``forward_only``: the metrics summed over them (zeros before
-        the last stage), and the schedule's record."""
+        (backpropagating ``scale_loss(loss_of(loss sums))``, calling ``before_backward(chunk,
+        microbatch)`` before each backward) or ``forward_only``: the metrics summed over them
+        (zeros before the last stage), and the schedule's record."""
         metrics: list[dict[str, Tensor]] = []
-        chunks = [self._chunk(c, metrics) for c in range(self.num_chunks)]
+        chunks = [self._chunk(c, loss_of, metrics) for c in range(self.num_chunks)]
         pipe = self.state.pipeline
         args = (batches, num_micro, pipe, self.spec, scale_loss, forward_only, before_backward)
         if self.num_chunks > 1:
