@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 
 def fsync_path(path: str) -> None:
@@ -36,12 +37,7 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
 def write_contents(path: str, contents: str | bytes) -> None:
     """``contents`` (text as UTF-8) as the whole file ``path``, through ``write_atomic``."""
     data = contents.encode("utf-8") if isinstance(contents, str) else contents
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    write_atomic(path, write)
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def write_durable(path: str, data: bytes) -> None:

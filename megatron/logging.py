@@ -1,10 +1,4 @@
-"""One logger, one rank: the console line, TensorBoard scalars and the JSON-lines metrics file.
-
-Only global rank 0 writes; other ranks log warnings and errors alone. The TensorBoard writer and
-the metrics file sit behind objects that do nothing when disabled, so call sites never branch.
-A training line averages the iterations of a ``LogWindow``; the window travels in checkpoints, so
-a run resumed in the middle of one writes the same lines as a run that never stopped.
-"""
+"""One logger, one rank; the metrics' writers live in megatron.training.metrics."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def _syncs_per_iteration(
     train_step, run = train_loop.TrainLoop.train_step, train_loop.TrainLoop.run
 
     def marked_step(self: Any, data: Iterator, policy: Any) -> Any:
-        assert type(self.optimizer).__name__ == optimizer
+        assert type(self.train.optimizer).__name__ == optimizer
         marks.append(counter.count)
         counter.on = True
         return train_step(self, data, policy)

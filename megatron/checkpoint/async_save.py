@@ -10,9 +10,7 @@ checkpoints (``save.coordination_group``), which the loop never uses, and the ne
 save waits for it first, so two saves never interleave their collectives.
 
 An error in the background is raised by the next ``save`` or by ``wait`` (the loop calls it on
-every exit), on every rank: ``write_and_publish`` fails on all ranks alike. The atomicity of a
-save does not depend on the thread finishing: a process killed mid-write leaves ``latest``
-naming the previous complete checkpoint.
+every exit), on every rank: ``write_and_publish`` fails on all ranks alike.
 """
 
 from __future__ import annotations

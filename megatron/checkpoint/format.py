@@ -101,23 +101,16 @@ def read_meta(ckpt_dir: str) -> dict[str, Any]:
     return meta
 
 
-def missing_file(ckpt_dir: str, meta: dict[str, Any]) -> str | None:
-    """The first file meta.json lists that is absent, as one line naming it; None when all are
-    there. Reads nothing, so every rank can check every file and all ranks agree on the line."""
-    for name in sorted(meta["files"]):
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
-    return None
-
-
-def check_files(ckpt_dir: str, meta: dict[str, Any], names: list[str]) -> str | None:
-    """The first of ``names`` that is missing or fails its sha256; None when all are intact."""
+def check_files(
+    ckpt_dir: str, meta: dict[str, Any], names: list[str], hashes: bool = True
+) -> str | None:
+    """The first of ``names`` that is missing or (``hashes``) fails its sha256, as one line
+    naming it; None when all are intact. ``hashes=False`` reads nothing."""
     for name in names:
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
             return f"{path} is missing"
-        if sha256_file(path) != meta["files"][name]:
+        if hashes and sha256_file(path) != meta["files"][name]:
             return f"{path} does not match its sha256 in meta.json"
     return None
 

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from megatron.checkpoint.format import (
     check_files,
     checkpoint_name,
-    missing_file,
     open_safetensors,
     pp_size_of,
     read_meta,
@@ -144,13 +143,13 @@ def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
         path = checkpoint_dir(load_dir, it)
         try:
             meta = read_meta(path)
-            # Missing files every rank checks alike (reading nothing); the sha256s a share each.
-            alike = missing_file(path, meta)
+            # Missing files every rank checks alike (reading nothing, so all agree on the line);
+            # the sha256s a share each.
+            alike = check_files(path, meta, sorted(meta["files"]), hashes=False)
             share = sorted(meta["files"])[state.rank :: state.world_size]
             problem = alike or check_files(path, meta, share)
         except ConfigError as e:
-            meta, problem = None, str(e)
-            alike = problem
+            meta, problem, alike = None, str(e), str(e)
         if problem and (alike is None or state.rank == 0):  # what all ranks found, one says
             logger.warning("%s", problem)
         if not _any_rank(problem is not None, state):
@@ -188,11 +187,7 @@ def _whole_model_keys(model: nn.Module, state: ParallelState) -> set[str]:
 
 
 def load_checkpoint(
-    load_dir: str,
-    train: TrainState,
-    state: ParallelState,
-    vocab_size: int,
-    finetune: bool = False,
+    load_dir: str, train: TrainState, state: ParallelState, vocab_size: int, finetune: bool = False
 ) -> None:
     """Load the newest intact checkpoint of ``load_dir`` into ``train`` (collective).
 

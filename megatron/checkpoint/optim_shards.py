@@ -15,10 +15,9 @@ no gather over DP::
 A layout is ``DistributedOptimizer.layout()``: parameter names, TP-local shapes and offsets in
 the flat buffer, the buckets' spans and the DP size; with PP > 1 the files carry the stage
 (``optim_tp{t:02d}_pp{p:03d}_dp{d:03d}``) and ``layouts`` lists one per (PP, TP) rank, stage-major
-(entry ``p * tp_size + t``). Loading turns TP rank t's DP shards back into
-per-parameter entries with ``assemble`` (the format a plain checkpoint's TP file holds under
-``optim/<param>/<field>``) and serves them to reshard's TP-reshard path under those
-same keys: one reshard-on-load path, to any TP/DP size, with the distributed optimizer or without.
+(entry ``p * tp_size + t``). Loading turns TP rank t's DP shards back into per-parameter entries
+with ``assemble`` (what a plain checkpoint's TP file holds under ``optim/<param>/<field>``) and
+serves them under those keys: one reshard-on-load path, with the distributed optimizer or without.
 """
 
 from __future__ import annotations
@@ -32,19 +31,7 @@ from torch import Tensor
 
 from megatron.checkpoint.format import open_safetensors, optim_file, pp_size_of
 from megatron.errors import ConfigError
-from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer, assemble
-from megatron.optim.optimizer import MainParamOptimizer
-
-
-def is_distributed(optimizer: MainParamOptimizer) -> bool:
-    """Whether ``optimizer`` keeps its state sharded over DP (and saves it in shard files)."""
-    return isinstance(optimizer, DistributedOptimizer)
-
-
-def shard_tensors(optimizer: DistributedOptimizer) -> dict[str, Tensor]:
-    """This rank's optimizer-shard file: the flat fp32 tensors (live references)."""
-    shard = optimizer.shard_state()
-    return {key: shard[key] for key in FIELDS}
+from megatron.optim.distributed_optimizer import FIELDS, assemble
 
 
 def optim_layout(meta: dict[str, Any], pp_rank: int = 0) -> dict[str, dict[str, Any]]:
@@ -80,9 +67,8 @@ def all_optim_layout(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 class OptimShards:
     """The optimizer shard files of one saved pipeline stage of a distributed-optimizer
-    checkpoint, read as the per-TP-rank
-    ``optim/<param>/<field>`` tensors of a plain checkpoint (``reshard.ShardedTensors``
-    asks for them by key and saved TP rank).
+    checkpoint, read as a plain checkpoint's per-TP-rank ``optim/<param>/<field>`` tensors
+    (``reshard.ShardedTensors`` asks for them by key and saved TP rank).
 
     A TP rank's entries are assembled from all its DP shards at its first read and kept: a rank
     loading at the saved TP size reads only its own TP rank's files.
@@ -100,8 +86,7 @@ class OptimShards:
             raise ConfigError(
                 f"{path} is missing: the distributed-optimizer checkpoint {self.ckpt_dir} lacks "
                 f"the optimizer shard of TP rank {tp_rank}, PP rank {self.pp_rank}, DP rank "
-                f"{dp_rank}; restore the file "
-                "or load another checkpoint"
+                f"{dp_rank}; restore the file or load another checkpoint"
             )
         f = open_safetensors(path)
         try:
@@ -120,9 +105,3 @@ class OptimShards:
         name, field = key.removeprefix("optim/").rsplit("/", 1)
         value = self._entries[tp_rank][name][field]
         return torch.tensor(value, dtype=torch.int64) if field == "step" else value
-
-
-def optim_shards(ckpt_dir: str, meta: dict[str, Any], pp_rank: int = 0) -> OptimShards | None:
-    """The optimizer shards of saved stage ``pp_rank`` of checkpoint ``ckpt_dir``; None when it is
-    not a distributed-optimizer checkpoint (its TP files hold the optimizer state)."""
-    return OptimShards(ckpt_dir, meta, pp_rank) if meta.get("distributed_optimizer") else None

@@ -1,16 +1,11 @@
-"""Reading checkpoints: their files and metadata, checked, and their tensors at any TP size.
+"""Reading checkpoints: their tensors as any rank's slice at any TP size.
 
-The tensor file of TP rank t (``model_optim_tp{t:02d}.safetensors``; of TP rank t of pipeline
-stage p, ``model_optim_tp{t:02d}_pp{p:03d}.safetensors``, when PP > 1) holds that rank's slices
-under flat keys: ``model/<state-dict key>`` and ``optim/<param>/<exp_avg|exp_avg_sq|main|step>``.
-A stage's keys are the whole model's names for what it holds (layers keep their global index), so
-meta.json's ``tensors`` is one layout for every stage and ``stages`` lists each stage's keys;
-megatron.checkpoint.stages reads any key from the stage that saved it.
-meta.json's ``tensors`` records, per key, the split dimension (the parameter's ``tp_split_dim``),
-the full shape over all TP ranks, the dtype, and whether its rows are the vocabulary; its
-``files`` the sha256 of every file. A checkpoint of the distributed optimizer keeps the ``optim/``
-entries in per-(TP, DP) shard files instead (``optim_file``); megatron.checkpoint.optim_shards
-rebuilds them under the same keys, so both kinds are read here alike.
+A (TP, PP) rank's tensor file (``format.shard_file``) holds its slices under flat keys:
+``model/<state-dict key>`` and ``optim/<param>/<exp_avg|exp_avg_sq|main|step>``. meta.json's
+``tensors`` records, per key, the split dimension (the parameter's ``tp_split_dim``), the full
+shape over all TP ranks, the dtype, and whether its rows are the vocabulary. Other stages' keys
+(megatron.checkpoint.stages) and a distributed optimizer's shard files
+(megatron.checkpoint.optim_shards) are served under the same keys, so all are read here alike.
 
 Reading a TP-split tensor saved at TP=a as rank r of TP=c::
 
@@ -21,8 +16,7 @@ Reading a TP-split tensor saved at TP=a as rank r of TP=c::
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``; rows past the
 real vocabulary are zero (weights, moments and main copies alike) and their count depends on the
-TP size. Replicated tensors are identical on every TP rank, so slice 0 is read. Only safetensors
-and JSON are ever parsed: nothing is unpickled.
+TP size. Replicated tensors are identical on every TP rank, so slice 0 is read.
 """
 
 from __future__ import annotations
@@ -160,11 +154,8 @@ class ShardedTensors:
             return self._slice(key, 0)
         if saved_tp == tp_size and (not vocab or padded_rows == info["shape"][0]):
             return self._slice(key, tp_rank)
-        full = merge_shards(
-            [self._slice(key, r) for r in range(saved_tp)],
-            split,
-            self.vocab_size if vocab else None,
-        )
+        shards = [self._slice(key, r) for r in range(saved_tp)]
+        full = merge_shards(shards, split, self.vocab_size if vocab else None)
         return take_shard(full, split, tp_size, tp_rank, padded_rows if vocab else None)
 
 

@@ -60,11 +60,10 @@ from megatron.checkpoint.format import (
     shard_file,
 )
 from megatron.checkpoint.load import LATEST, iterations
-from megatron.checkpoint.optim_shards import is_distributed
-from megatron.checkpoint.optim_shards import shard_tensors as optim_shard_tensors
 from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
 from megatron.config.schema import Config, to_dict
+from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer
 from megatron.parallel.state import ParallelState
 from megatron.training.train_state import TrainState
 
@@ -187,18 +186,18 @@ def capture(
         job.keep_last = cfg.checkpoint.keep_last
         # The distributed optimizer's state_dict() is a collective over DP, which only the ranks
         # writing a TP file would join: its shards are saved as they lie instead.
-        distributed = is_distributed(optimizer)
+        distributed = isinstance(optimizer, DistributedOptimizer)
         names = files_written_by(state, distributed)
-        in_tp_file = None if distributed else optimizer
         mine = shard_file(state.tp_rank, state.pp_rank, state.pp_size)
-        tensors = shard_tensors(model, in_tp_file) if mine in names else {}
+        tensors = shard_tensors(model, None if distributed else optimizer) if mine in names else {}
         if mine in names and state.tp_rank == 0:  # one writer per stage describes its tensors
             job.stage = (state.pp_rank, tensor_layout(tensors, model, state.tp_size))
         rng, header = rng_state(state, train.tracker)
         parts = {mine: (tensors, None), rng_file(state.rank): (rng, header)}
         if distributed:
             shard = optim_file(state.tp_rank, state.dp_rank, state.pp_rank, state.pp_size)
-            parts[shard] = (optim_shard_tensors(optimizer), None)
+            flat = optimizer.shard_state()  # the flat fp32 tensors (live references)
+            parts[shard] = ({key: flat[key] for key in FIELDS}, None)
             if state.dp_rank == 0:
                 job.layout = (state.pp_rank * state.tp_size + state.tp_rank, optimizer.layout())
         take = take or (lambda _, t: t)
@@ -251,14 +250,6 @@ def _to_rank0(value: Any, job: SaveJob, group: dist.ProcessGroup | None) -> list
     return out
 
 
-def _stage_tensors(stages: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """meta.json's ``tensors`` (every stage's layouts, in stage order: the tied word table's two
-    copies have one entry) and ``stages`` (each stage's keys)."""
-    layouts = [layout for _, layout in sorted(stages, key=lambda s: s[0])]
-    tensors = {key: info for layout in layouts for key, info in layout.items()}
-    return {"tensors": tensors, "stages": [list(layout) for layout in layouts]}
-
-
 def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
     """Write ``job``'s files, and (rank 0) publish the checkpoint once every rank has written.
 
@@ -288,7 +279,10 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
         else:
             files = {n: s for part, _, _, _ in reports for n, s in part.items()}
             writers = {n: r for r, (part, _, _, _) in enumerate(reports) for n in part}
-            meta = {**job.meta, **_stage_tensors([st for *_, st in reports if st is not None])}
+            # Every stage's layouts in stage order (the tied word table's two copies: one entry).
+            stages = sorted((r[3] for r in reports if r[3] is not None), key=lambda s: s[0])
+            tensors = {key: info for _, layout in stages for key, info in layout.items()}
+            meta = {**job.meta, "tensors": tensors, "stages": [list(lay) for _, lay in stages]}
             meta.update(files=dict(sorted(files.items())), writers=writers)
             layouts = sorted((r[2] for r in reports if r[2] is not None), key=lambda x: x[0])
             if layouts:
@@ -334,8 +328,7 @@ def save_offline(
     is meta.json, whose ``files`` (the sha256 of each file) are filled in here. Atomic like every
     save: nothing appears under ``iter_*`` or in ``latest`` until every file is written.
     """
-    name = f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}"
-    tmp = os.path.join(save_dir, name)
+    tmp = os.path.join(save_dir, f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}")
     os.makedirs(tmp)
     sums = {n: write_tensors(os.path.join(tmp, n), tensors) for n, tensors in files}
     return publish(tmp, save_dir, {**meta, "files": sums}, keep_last=None)

@@ -22,13 +22,8 @@ from typing import Any
 from torch import Tensor
 
 from megatron.checkpoint.format import pp_size_of, stage_files
-from megatron.checkpoint.optim_shards import optim_shards
+from megatron.checkpoint.optim_shards import OptimShards
 from megatron.checkpoint.reshard import ShardedTensors
-
-
-def stage_keys(meta: dict[str, Any]) -> list[list[str]]:
-    """The keys of each saved stage's tensor files (one stage, all of ``tensors``, before PP)."""
-    return meta.get("stages") or [list(meta["tensors"])]
 
 
 class StagedTensors:
@@ -53,8 +48,11 @@ def open_checkpoint(ckpt_dir: str, meta: dict[str, Any], with_optim: bool) -> St
     checkpoint's ``optim/`` keys too, rebuilt from its shard files (a plain checkpoint's TP files
     hold them already). Opens nothing yet: files are opened at their first read."""
     stages = []
-    for p, keys in zip(range(pp_size_of(meta)), stage_keys(meta)):
-        shards = optim_shards(ckpt_dir, meta, p) if with_optim else None
+    # Each saved stage's keys; saved before PP: one stage, all of ``tensors``.
+    saved_keys = meta.get("stages") or [list(meta["tensors"])]
+    sharded = with_optim and meta.get("distributed_optimizer")
+    for p, keys in zip(range(pp_size_of(meta)), saved_keys):
+        shards = OptimShards(ckpt_dir, meta, p) if sharded else None
         layout = {k: meta["tensors"][k] for k in keys}
         layout.update(shards.layout if shards is not None else {})
         paths = [os.path.join(ckpt_dir, name) for name in stage_files(meta, p)]

@@ -124,19 +124,18 @@ def _check_pipeline(cfg: Config) -> None:
 def check_config(cfg: Config) -> None:
     """The checks that need neither the world size nor the file system."""
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.precision
+    tp = cfg.parallel.tensor_parallel_size
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model."
             f"num_attention_heads={m.num_attention_heads}; use "
             f"{_multiples(m.hidden_size, m.num_attention_heads)}"
         )
-    if m.ffn_hidden_size % cfg.parallel.tensor_parallel_size:
+    if m.ffn_hidden_size % tp:
         raise ConfigError(
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
-            f"tensor_parallel_size={cfg.parallel.tensor_parallel_size}; use "
-            f"{_multiples(m.ffn_hidden_size, cfg.parallel.tensor_parallel_size)}"
+            f"tensor_parallel_size={tp}; use {_multiples(m.ffn_hidden_size, tp)}"
         )
-    tp = cfg.parallel.tensor_parallel_size
     _check_pipeline(cfg)
     if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
         raise ConfigError(

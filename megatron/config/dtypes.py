@@ -4,5 +4,4 @@ from __future__ import annotations
 
 import torch
 
-# The torch dtype of each precision.dtype name.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import MISSING
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -89,11 +89,7 @@ def _read_yaml(path: str) -> tuple[dict, dict[str, int]]:
 
 def load_config(paths: Sequence[str], overrides: Sequence[str] = ()) -> Config:
     """Merge YAML files (later wins) and ``section.key=value`` overrides into a resolved Config."""
-    raw: dict[str, dict[str, Any]] = {name: {} for name in FIELDS}
-    origin: dict[str, str] = {}  # dotted key -> where its final value came from
-    for path in paths:
-        _merge(raw, origin, path, *_read_yaml(path))
-    return _with_overrides(raw, origin, overrides)
+    return _load(((path, *_read_yaml(path)) for path in paths), overrides)
 
 
 def config_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] = ()) -> Config:
@@ -101,36 +97,25 @@ def config_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] 
 
     ``where`` names the dict's source in errors (e.g. the checkpoint's meta.json).
     """
+    return _load([(where, data, {})], overrides)
+
+
+def _load(sources: Iterable[tuple[str, dict, dict[str, int]]], overrides: Sequence[str]) -> Config:
+    """Layer each source (its path, its mapping, the line of each key) and then ``overrides``."""
     raw: dict[str, dict[str, Any]] = {name: {} for name in FIELDS}
-    origin: dict[str, str] = {}
-    _merge(raw, origin, where, data, {})
-    return _with_overrides(raw, origin, overrides)
-
-
-def _merge(
-    raw: dict[str, dict[str, Any]],
-    origin: dict[str, str],
-    path: str,
-    data: dict,
-    lines: dict[str, int],
-) -> None:
-    """Layer ``data`` (read from ``path``, keys at ``lines``) over ``raw``."""
-    for section, values in data.items():
-        # Keys YAML reads as non-strings (true, 1.0) print differently: fall back to line 1.
-        where = f"{path}:{lines.get(str(section), 1)}"
-        _check_key(str(section), None, where)
-        if not isinstance(values, dict | None):
-            raise ConfigError(f"{where}: section '{section}' must map key: value")
-        for key, value in (values or {}).items():
-            dotted = f"{section}.{key}"
-            origin[dotted] = f"{path}:{lines.get(dotted, 1)}"
-            _check_key(section, str(key), origin[dotted])
-            raw[section][str(key)] = value
-
-
-def _with_overrides(
-    raw: dict[str, dict[str, Any]], origin: dict[str, str], overrides: Sequence[str]
-) -> Config:
+    origin: dict[str, str] = {}  # dotted key -> where its final value came from
+    for path, data, lines in sources:
+        for section, values in data.items():
+            # Keys YAML reads as non-strings (true, 1.0) print differently: fall back to line 1.
+            where = f"{path}:{lines.get(str(section), 1)}"
+            _check_key(str(section), None, where)
+            if not isinstance(values, dict | None):
+                raise ConfigError(f"{where}: section '{section}' must map key: value")
+            for key, value in (values or {}).items():
+                dotted = f"{section}.{key}"
+                origin[dotted] = f"{path}:{lines.get(dotted, 1)}"
+                _check_key(section, str(key), origin[dotted])
+                raw[section][str(key)] = value
     for item in overrides:
         dotted, sep, text = item.partition("=")
         where = f"override '{item}'"

@@ -1,12 +1,9 @@
 """The run's configuration schema: documented dataclasses, and the config as plain data.
 
-Loading lives in ``megatron.config.load`` (``load_config`` merges YAML files and overrides,
-rejects unknown keys with a did-you-mean, type-checks every value, then ``resolve`` fills the
-defaults that depend on other keys) and checking in ``megatron.config.checks`` (``validate``:
-every check that needs the world size or the file system, before any process group or data
-work). Both import this module and it imports neither, so any of the three can be a program's
-first import. World-size-dependent values (DP size, micro-batches per step, padded vocabulary)
-come from ``Config.derived`` only.
+Loading lives in ``megatron.config.load``, checking in ``megatron.config.checks``: both import
+this module and it imports neither, so any of the three can be a program's first import.
+World-size-dependent values (DP size, micro-batches per step, padded vocabulary) come from
+``Config.derived`` only.
 """
 
 from __future__ import annotations

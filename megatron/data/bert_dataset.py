@@ -302,12 +302,10 @@ def build_bert_datasets(
     seed: int,
     cache_dir: str | None,
     vocab: BertVocab,
-    masked_lm_prob: float = 0.15,
-    short_seq_prob: float = 0.1,
-    max_ngram: int = 3,
-    binary_head: bool = True,
+    **options: float | bool,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over documents).
+    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over documents);
+    ``options`` are BertDataset's (``masked_lm_prob`` and so on).
 
     A split asked for 0 samples is None. One unweighted prefix gives a BertDataset; several are
     blended exactly as GPT data is (see ``build_split_datasets``).
@@ -315,10 +313,7 @@ def build_bert_datasets(
     prefixes, weights = parse_data_paths(list(paths))
 
     def part(ds: IndexedDataset, documents: tuple[int, int], size: int | None) -> BertDataset:
-        return BertDataset(
-            ds, documents, size, seq_length, seed, cache_dir, vocab,
-            masked_lm_prob, short_seq_prob, max_ngram, binary_head,
-        )  # fmt: skip
+        return BertDataset(ds, documents, size, seq_length, seed, cache_dir, vocab, **options)
 
     return build_split_datasets(
         prefixes, weights, split, num_samples, part, cache_dir, by_documents=True

@@ -215,15 +215,8 @@ class GPTDataset(torch.utils.data.Dataset):
         text = torch.from_numpy(self.tokens(idx))
         tokens = text[:-1].contiguous()
         sample = {"tokens": tokens, "labels": text[1:].contiguous()}
-        sample.update(
-            ltor_masks(
-                tokens,
-                self.eod,
-                self.reset_position_ids,
-                self.reset_attention_mask,
-                self.eod_mask_loss,
-            )
-        )
+        masks = (self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss)
+        sample.update(ltor_masks(tokens, self.eod, *masks))
         return sample
 
 
@@ -235,11 +228,10 @@ def build_gpt_datasets(
     seed: int,
     cache_dir: str | None,
     eod: int,
-    reset_position_ids: bool = False,
-    reset_attention_mask: bool = False,
-    eod_mask_loss: bool = False,
+    **options: bool,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over sequences).
+    """Train, valid and test datasets from ``data.paths`` and ``data.split`` (over sequences);
+    ``options`` are GPTDataset's (``reset_position_ids`` and so on).
 
     A split asked for 0 samples is None. One unweighted prefix gives a GPTDataset with exactly
     megatron-core's sample order; several give a BlendedDataset (see ``build_split_datasets``).
@@ -247,9 +239,6 @@ def build_gpt_datasets(
     prefixes, weights = parse_data_paths(paths)
 
     def part(indexed: IndexedDataset, sequences: tuple[int, int], size: int | None) -> GPTDataset:
-        return GPTDataset(
-            indexed, sequences, size, seq_length, seed, cache_dir, eod,
-            reset_position_ids, reset_attention_mask, eod_mask_loss,
-        )  # fmt: skip
+        return GPTDataset(indexed, sequences, size, seq_length, seed, cache_dir, eod, **options)
 
     return build_split_datasets(prefixes, weights, split, num_samples, part, cache_dir)

@@ -139,10 +139,7 @@ class IndexedDatasetWriter:
         self.end_document()
 
     def add_documents(
-        self,
-        tokens: np.ndarray,
-        sequence_lengths: np.ndarray,
-        document_sizes: np.ndarray,
+        self, tokens: np.ndarray, sequence_lengths: np.ndarray, document_sizes: np.ndarray
     ) -> None:
         """Append whole documents at once: one write for many sequences.
 

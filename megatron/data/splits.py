@@ -10,6 +10,7 @@ model's factory turns one range of one dataset into samples, and several dataset
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -43,17 +44,11 @@ def split_ranges(split: str, num_elements: int) -> list[tuple[int, int] | None]:
             'e.g. "949,50,1"'
         )
     weights += [0.0] * (3 - len(weights))
-    normalized = _normalize(weights)
-    bookends = [0.0]
-    for w in normalized:
-        bookends.append(bookends[-1] + w)
-    ranges: list[tuple[int, int] | None] = []
-    for lo, hi in zip(bookends[:-1], bookends[1:], strict=True):
-        if hi <= lo:
-            ranges.append(None)
-        else:
-            ranges.append((int(round(lo * num_elements)), int(round(hi * num_elements))))
-    return ranges
+    bookends = [0.0, *itertools.accumulate(_normalize(weights))]
+    return [
+        None if hi <= lo else (int(round(lo * num_elements)), int(round(hi * num_elements)))
+        for lo, hi in zip(bookends[:-1], bookends[1:], strict=True)
+    ]
 
 
 def samples_per_split(t: TrainingConfig) -> tuple[int, int, int]:

@@ -184,13 +184,8 @@ def layer_activation_bytes(
     ``sequence_parallel`` splits the LayerNorm inputs, dropout masks and statistics over the TP
     ranks.
     """
-    s, b, h, f, a = (
-        model.seq_length,
-        micro_batch_size,
-        model.hidden_size,
-        model.ffn_hidden_size,
-        model.num_attention_heads,
-    )
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    f, a = model.ffn_hidden_size, model.num_attention_heads
     hidden_masks = 2 if model.hidden_dropout > 0 else 0
     layernorm_stats = 2 * 8 * s * b  # fp32 mean and rstd of two LayerNorms
     # The LayerNorms' inputs (the residual stream), the dropout masks and the statistics; then
@@ -222,6 +217,7 @@ class MemoryEstimate:
     unfused_attention_extra: int  # what materialised attention probabilities would add, per layer
     logits: int  # logits and cross-entropy buffers of one micro-batch
     recompute: bool  # whether the config recomputes (which activation figure counts)
+    params: ParamCount  # the parameters of the stage, which its weights and states follow
     stage: int = 0  # the pipeline stage these bytes are for
     in_flight: int = 1  # micro-batch chunks whose activations the stage holds at its peak
 
@@ -255,16 +251,10 @@ def estimate_memory(
     pp, chunks = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size or 1
     first, last = stage == 0, stage == pp - 1
     e = DTYPE_BYTES[cfg.precision.dtype]
-    params = stage_parameters(
-        m,
-        padded_vocab_size,
-        tp,
-        pp,
-        stage,
-        model_type,
-        cfg.bert.num_tokentypes,
-        cfg.bert.binary_head != "none",
-    ).per_gpu
+    binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
+    heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
+    stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads)
+    params = stage_params.per_gpu
     # The parameters whose fp32 main copy and moments this rank holds.
     owned = -(-params // dp_size) if cfg.parallel.distributed_optimizer else params
     b = cfg.training.micro_batch_size
@@ -273,22 +263,17 @@ def estimate_memory(
     head_tokens = tokens
     if model_type == "bert":
         head_tokens = b * masked_count(m.seq_length - 3, cfg.bert.masked_lm_prob)
-    binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
 
     def seq_split(n: int) -> int:  # what sequence parallelism splits over TP
         return -(-n // tp) if sp else n
 
-    # Outside the layers, on the first stage: the embedding dropout mask, and BERT's post-LN
-    # embedding LayerNorm input and statistics. On the last: pre-LN's final LayerNorm input and
-    # statistics (GPT's post-LN ends in a layer's own LayerNorm), all split along the sequence
-    # with sequence parallelism; then the final hidden states, whole (GPT's LM head input; BERT's
-    # pooler keeps them alive through its [CLS] view), and BERT's heads.
+    # Outside the layers (the module docstring's terms): the first stage's, then the last's; what
+    # sequence parallelism splits first, then the final hidden states, whole, and BERT's heads.
     layernorm = e * sbh + 8 * tokens
     embedding_side = (1 if m.hidden_dropout > 0 else 0) * sbh
     if model_type == "bert" and m.layernorm_position == "post":
         embedding_side += layernorm
-    head_side = layernorm if m.layernorm_position == "pre" else 0
-    head_side = seq_split(head_side)
+    head_side = seq_split(layernorm) if m.layernorm_position == "pre" else 0
     if model_type == "gpt" or binary_head:
         head_side += e * sbh
     if model_type == "bert":
@@ -315,12 +300,10 @@ def estimate_memory(
 
     units = schedule_units(pp, chunks, cfg.training.global_batch_size // (b * dp_size), stage)
     vocab_local = padded_vocab_size // tp
-    # fp32 parameters are their own main copy, with or without the distributed optimizer.
-    has_main_copy = e != 4
     return MemoryEstimate(
         weights=e * params,
         main_grads=4 * params,
-        main_params=4 * owned if has_main_copy else 0,
+        main_params=0 if e == 4 else 4 * owned,  # fp32 parameters are their own main copy
         adam_moments=8 * owned,
         embedding_grad=e * vocab_local * m.hidden_size if first or last else 0,
         activations_no_recompute=peak_held(units, held(layer)),
@@ -328,6 +311,7 @@ def estimate_memory(
         unfused_attention_extra=unfused - layer,
         logits=(e + 4) * head_tokens * vocab_local if last else 0,
         recompute=m.recompute == "full",
+        params=stage_params,
         stage=stage,
         in_flight=peak_held(units, [1] * chunks),
     )

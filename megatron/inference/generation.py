@@ -51,10 +51,7 @@ def check_prompts(prompts: list[list[int]], max_positions: int) -> None:
 
 
 def _pick(
-    logits: Tensor,
-    model: GPTModel,
-    params: SamplingParams,
-    generator: torch.Generator | None,
+    logits: Tensor, model: GPTModel, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
     """(full fp32 logits [b, vocab], chosen tokens [b]) from the last position's vocab-parallel
     logits [b, padded_vocab / tp]; identical on every TP rank."""

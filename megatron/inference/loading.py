@@ -110,10 +110,7 @@ def check_tp(cfg: Config, tp: int) -> None:
 
 
 def load_for_inference(
-    load_dir: str,
-    overrides: list[str],
-    tp_size: int | None = None,
-    dtype: str | None = None,
+    load_dir: str, overrides: list[str], tp_size: int | None = None, dtype: str | None = None
 ) -> Loaded:
     """Start the process groups (``tp_size``, default the world size) and load the newest
     checkpoint of ``load_dir`` into a model in eval mode.

@@ -40,8 +40,10 @@ from megatron.interop.mapping import (
     activation_from_hf,
     from_hf_config,
     layer_rules,
+    module_rules,
     require,
     to_hf_config,
+    weight_and_bias,
 )
 
 _CONFIG_KEYS: ConfigKeys = {
@@ -61,12 +63,9 @@ _QKV = "attention.self.query.{p} attention.self.key.{p} attention.self.value.{p}
 _LAYER = [
     ("attention.qkv.weight", _QKV.format(p="weight"), "qkv_split"),
     ("attention.qkv.bias", _QKV.format(p="bias"), "qkv_split"),
-    ("attention.dense.weight", "attention.output.dense.weight", "same"),
-    ("attention.dense.bias", "attention.output.dense.bias", "same"),
-    ("mlp.fc1.weight", "intermediate.dense.weight", "same"),
-    ("mlp.fc1.bias", "intermediate.dense.bias", "same"),
-    ("mlp.fc2.weight", "output.dense.weight", "same"),
-    ("mlp.fc2.bias", "output.dense.bias", "same"),
+    *weight_and_bias("attention.dense", "attention.output.dense"),
+    *weight_and_bias("mlp.fc1", "intermediate.dense"),
+    *weight_and_bias("mlp.fc2", "output.dense"),
 ]
 _LAYER_NORMS = {
     "post": {"ln1": "attention.output.LayerNorm", "ln2": "output.LayerNorm"},
@@ -76,17 +75,8 @@ _LAYER_NORMS = {
 
 def _layer_pairs(position: str) -> list[tuple[str, str, str]]:
     """(our suffix, HF suffix(es), kind) for one layer, its LayerNorms placed per ``position``."""
-    norms = [
-        (f"{ours}.{p}", f"{hf}.{p}", "same")
-        for ours, hf in _LAYER_NORMS[position].items()
-        for p in ("weight", "bias")
-    ]
-    return _LAYER + norms
-
-
-def _pair(ours: str, hf: str) -> list[Rule]:
-    """Weight and bias of one module."""
-    return [Rule(f"{ours}.{p}", (f"{hf}.{p}",)) for p in ("weight", "bias")]
+    norms = _LAYER_NORMS[position].items()
+    return _LAYER + [pair for ours, hf in norms for pair in weight_and_bias(ours, hf)]
 
 
 class Bert(Architecture):
@@ -116,19 +106,18 @@ class Bert(Architecture):
         if cfg.bert.num_tokentypes:
             rules.append(Rule("embedding.tokentype.weight", (_TOKEN_TYPES,)))
         if self.layernorm_position == "post":
-            rules += _pair("embedding_ln", "bert.embeddings.LayerNorm")
+            rules += module_rules("embedding_ln", "bert.embeddings.LayerNorm")
         rules += layer_rules(
             cfg.model.num_layers, "bert.encoder.layer.{i}.", _layer_pairs(self.layernorm_position)
         )
         if self.layernorm_position == "pre":
-            rules += _pair("transformer.final_ln", "bert.encoder.ln")
-        rules += _pair("lm_head.dense", "cls.predictions.transform.dense")
-        rules += _pair("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
+            rules += module_rules("transformer.final_ln", "bert.encoder.ln")
+        rules += module_rules("lm_head.dense", "cls.predictions.transform.dense")
+        rules += module_rules("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
         rules.append(Rule("lm_head.bias", ("cls.predictions.bias",)))
         if self.binary_head:
-            rules += _pair("pooler", "bert.pooler.dense") + _pair(
-                "binary_head", "cls.seq_relationship"
-            )
+            rules += module_rules("pooler", "bert.pooler.dense")
+            rules += module_rules("binary_head", "cls.seq_relationship")
         return rules
 
     def export_tensors(self, cfg: Config, ours: dict[str, Tensor]) -> dict[str, Tensor]:

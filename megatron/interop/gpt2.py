@@ -28,19 +28,19 @@ from megatron.interop.mapping import (
     activation_from_hf,
     from_hf_config,
     layer_rules,
+    module_rules,
     require,
     to_hf_config,
+    weight_and_bias,
 )
 
 _LAYER = [
-    ("ln1.weight", "ln_1.weight", "same"),
-    ("ln1.bias", "ln_1.bias", "same"),
+    *weight_and_bias("ln1", "ln_1"),
     ("attention.qkv.weight", "attn.c_attn.weight", "qkv_t"),
     ("attention.qkv.bias", "attn.c_attn.bias", "qkv"),
     ("attention.dense.weight", "attn.c_proj.weight", "t"),
     ("attention.dense.bias", "attn.c_proj.bias", "same"),
-    ("ln2.weight", "ln_2.weight", "same"),
-    ("ln2.bias", "ln_2.bias", "same"),
+    *weight_and_bias("ln2", "ln_2"),
     ("mlp.fc1.weight", "mlp.c_fc.weight", "t"),
     ("mlp.fc1.bias", "mlp.c_fc.bias", "same"),
     ("mlp.fc2.weight", "mlp.c_proj.weight", "t"),
@@ -78,8 +78,7 @@ class GPT2(Architecture):
             Rule("embedding.word.weight", ("transformer.wte.weight",)),
             Rule("embedding.position.weight", ("transformer.wpe.weight",)),
             *layer_rules(cfg.model.num_layers, "transformer.h.{i}.", _LAYER),
-            Rule("transformer.final_ln.weight", ("transformer.ln_f.weight",)),
-            Rule("transformer.final_ln.bias", ("transformer.ln_f.bias",)),
+            *module_rules("transformer.final_ln", "transformer.ln_f"),
         ]
 
     def hf_config(self, cfg: Config, vocab_size: int, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -91,6 +91,16 @@ def from_hf(rules: list[Rule], hf: dict[str, Tensor], heads: int, where: str) ->
     return out
 
 
+def weight_and_bias(ours: str, hf: str) -> list[tuple[str, str, str]]:
+    """(our suffix, HF suffix, "same") for the weight and the bias of one module."""
+    return [(f"{ours}.{p}", f"{hf}.{p}", "same") for p in ("weight", "bias")]
+
+
+def module_rules(ours: str, hf: str) -> list[Rule]:
+    """Rules for the weight and the bias of one module outside the layers."""
+    return [Rule(o, (h,), kind) for o, h, kind in weight_and_bias(ours, hf)]
+
+
 def layer_rules(num_layers: int, prefix: str, pairs: list[tuple[str, str, str]]) -> list[Rule]:
     """Per-layer rules from ``pairs`` of (our suffix, HF suffix(es), kind): several HF suffixes
     are separated by spaces, and each follows ``prefix`` with ``{i}`` the layer index."""

@@ -26,7 +26,6 @@ from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
-from megatron.estimate.flops import flops_per_iteration
 from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
@@ -36,12 +35,12 @@ from megatron.estimate.memory import (
     count_parameters,
     estimate_stages,
     fits,
-    stage_parameters,
     usable_bytes,
     worst_stage,
 )
 from megatron.launch.preflight import validate
 from megatron.parallel.pipeline.timeline import ideal_bubble
+from megatron.training.metrics import Workload
 
 # Tokens (or hdf5 rows x seq) read per dataset before the scan switches to evenly spaced blocks
 # (when no cached full scan exists): 2^28 uint16 tokens are 512 MiB, ~1 s from a warm page cache.
@@ -115,8 +114,7 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
     if not any(f in missing for f in files):
         from megatron.data.tokenizers.factory import build_tokenizer
 
-        size = build_tokenizer(**vars(tok)).vocab_size
-        return size, f"{tok.type} from {', '.join(files)}"
+        return build_tokenizer(**vars(tok)).vocab_size, f"{tok.type} from {', '.join(files)}"
     # The standard files' sizes, assumed only when the files are absent here: GPT-2 BPE, and
     # Google's BERT WordPiece vocabularies (uncased, cased).
     known = {"gpt2": 50257, "wordpiece": 30522 if tok.lower_case else 28996}.get(tok.type)
@@ -154,9 +152,8 @@ def _report_memory(
     heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
     stages = estimate_stages(cfg, padded_vocab, model_type, dp_size)
     mem = max(stages, key=lambda stage: stage.total)
-    params = stage_parameters(m, padded_vocab, tp, pp, mem.stage, *heads)
     if pp > 1:
-        _report_stages(cfg, padded_vocab, model_type, stages, out)
+        _report_stages(cfg, stages, mem.stage, out)
     dtype, e = cfg.precision.dtype, DTYPE_BYTES[cfg.precision.dtype]
     configured = {True: "   <- model.recompute=full", False: "   <- model.recompute=none"}
     if cfg.parallel.distributed_optimizer:
@@ -179,8 +176,8 @@ def _report_memory(
     total = count_parameters(m, padded_vocab, tp, *heads).total
     where = f"on stage {mem.stage} (the worst) " if pp > 1 else ""
     out.write(
-        f"parameters: {total:,} total; {params.per_gpu:,} per GPU {where}at TP {tp} "
-        f"({params.split:,} split {tp} ways, {params.replicated:,} replicated)\n"
+        f"parameters: {total:,} total; {mem.params.per_gpu:,} per GPU {where}at TP {tp} "
+        f"({mem.params.split:,} split {tp} ways, {mem.params.replicated:,} replicated)\n"
         f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}, e = {e} bytes per "
         "element:\n"
     )
@@ -221,25 +218,15 @@ def _stage_layers(num_layers: int, pp: int, chunks: int, stage: int) -> str:
     return ", ".join(f"{start}-{start + n - 1}" for start in starts)
 
 
-def _report_stages(
-    cfg: Config,
-    padded_vocab: int,
-    model_type: ModelType,
-    stages: list[MemoryEstimate],
-    out: TextIO,
-) -> None:
+def _report_stages(cfg: Config, stages: list[MemoryEstimate], worst: int, out: TextIO) -> None:
     """One line per pipeline stage: its layers, parameters and memory as configured."""
     p, m = cfg.parallel, cfg.model
     chunks = p.virtual_pipeline_size or 1
-    heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
-    worst = max(stages, key=lambda stage: stage.total).stage
     out.write(
         "  stage        params/GPU  states GiB  activations GiB  in flight  total GiB  layers\n"
     )
     for mem in stages:
-        n = stage_parameters(
-            m, padded_vocab, p.tensor_parallel_size, p.pipeline_parallel_size, mem.stage, *heads
-        ).per_gpu
+        n = mem.params.per_gpu
         activations = mem.activations_recompute if mem.recompute else mem.activations_no_recompute
         layers = _stage_layers(m.num_layers, p.pipeline_parallel_size, chunks, mem.stage)
         out.write(
@@ -250,10 +237,7 @@ def _report_stages(
 
 
 def dry_run(
-    cfg: Config,
-    args: argparse.Namespace,
-    model_type: ModelType = "gpt",
-    out: TextIO | None = None,
+    cfg: Config, args: argparse.Namespace, model_type: ModelType = "gpt", out: TextIO | None = None
 ) -> int:
     """Validate, check the files, report memory and FLOPs; 0 if it fits (or no size), else 1.
 
@@ -270,11 +254,9 @@ def dry_run(
     split_counts = _check_hdf5_splits(cfg, missing)
     derived = cfg.derived(world)
     pp, chunks = derived.pp_size, cfg.parallel.virtual_pipeline_size or 1
-    grid = (
-        f"DP {derived.dp_size} x PP {pp} x TP {tp}" if pp > 1 else f"DP {derived.dp_size} x TP {tp}"
-    )
+    pipeline = f" x PP {pp}" if pp > 1 else ""
     out.write(
-        f"dry run ({model_type}): world {world} = {grid}; "
+        f"dry run ({model_type}): world {world} = DP {derived.dp_size}{pipeline} x TP {tp}; "
         f"{derived.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step "
         f"on each rank; config valid\n"
     )
@@ -312,16 +294,7 @@ def dry_run(
             f"{summary.dtype} tokens; max id {summary.max_id} < {vocab} ({how})\n"
         )
     mem = _report_memory(cfg, padded, model_type, derived.dp_size, out)
-    m = cfg.model
-    flops = flops_per_iteration(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        seq_length=m.seq_length,
-        padded_vocab_size=padded,
-        global_batch_size=cfg.training.global_batch_size,
-        recompute=mem.recompute,
-    )
+    flops = Workload.of(cfg, padded, world).flops_per_iter
     out.write(f"FLOPs per iteration: {flops:.3e} in all, {flops / world:.3e} per GPU\n")
     gb = args.gpu_memory_gb
     if gb is None:

@@ -58,11 +58,6 @@ def _stopped(rank: int, beat: bytes | None) -> str:
     return f"rank {rank} (host {host}) stopped responding {_when(int(iteration))}"
 
 
-def _agent_store() -> bool:
-    """True under torchrun, whose agent hosts the store the workers rendezvous through."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 class Heartbeat:
     """This rank's pulse in the rendezvous store and its watch over one peer and the launcher.
 
@@ -82,10 +77,11 @@ class Heartbeat:
         self.rank, self.world_size, self.grace_s = rank, world_size, grace_s
         # Ten beats per grace period: a beat or two lost to a busy host is never a loss.
         self.interval_s = min(1.0, grace_s / 10)
-        self.iteration = 0  # the iteration the loop runs; 0 until the first one
+        self.iteration = 0  # set by the loop as each iteration starts; 0 until the first one
         self.host = socket.gethostname()
         self.store_host, self.store_port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        self._agent = _agent_store()
+        # Under torchrun its agent hosts the store the workers rendezvous through.
+        self._agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self._parent = os.getppid()
         self._before_exit = before_exit
         self._watched: int | None = self._successor(rank)
@@ -100,10 +96,6 @@ class Heartbeat:
         for thread in self._threads:
             thread.daemon = True
             thread.start()
-
-    def at_iteration(self, iteration: int) -> None:
-        """Called by the loop as each iteration starts; published with the next beat."""
-        self.iteration = iteration
 
     def _client(self) -> dist.Store:
         # For connecting (a request to a frozen store host may never return: ``_guard`` covers it).
@@ -150,11 +142,8 @@ class Heartbeat:
                 resumed = now  # this process was held up itself: the beat gets a fresh grace
             tick = now
             if self._agent and os.getppid() != self._parent:
-                self._exit(
-                    f"the launcher is gone: torchrun (pid {self._parent}) exited; stopping this "
-                    "worker",
-                    None,
-                )
+                torchrun = f"torchrun (pid {self._parent})"
+                self._exit(f"the launcher is gone: {torchrun} exited; stopping this worker", None)
             if now - max(self._contact, resumed) > self.grace_s:
                 self._exit(self._store_lost(), None)
 

@@ -120,14 +120,9 @@ class BertModel(nn.Module):
         self.embedding = None
         if self.pre_process or self.post_process:
             self.embedding = Embedding(
-                embedding_cfg,
-                vocab_size,
-                padded_vocab_size,
-                state,
-                tracker,
-                num_tokentypes,
+                embedding_cfg, vocab_size, padded_vocab_size, state, tracker, num_tokentypes,
                 sequence_parallel,
-            )
+            )  # fmt: skip
         self.transformer = TransformerStack(
             cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
         )

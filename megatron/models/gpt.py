@@ -109,11 +109,6 @@ class GPTModel(nn.Module):
         attention = self.transformer.layers[0].attention
         weight = self.embedding.word.weight
         return KVCache(
-            len(self.transformer.layers),
-            batch_size,
-            attention.heads_per_partition,
-            max_length,
-            attention.head_dim,
-            weight.dtype,
-            weight.device,
-        )
+            len(self.transformer.layers), batch_size, attention.heads_per_partition, max_length,
+            attention.head_dim, weight.dtype, weight.device,
+        )  # fmt: skip

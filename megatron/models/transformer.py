@@ -117,11 +117,7 @@ class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel)."""
 
     def __init__(
-        self,
-        cfg,
-        state: ParallelState,
-        generator: torch.Generator,
-        sequence_parallel: bool = False,
+        self, cfg, state: ParallelState, generator: torch.Generator, sequence_parallel: bool = False
     ):
         super().__init__()
         self.activation = cfg.activation

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from megatron.config.schema import OptimizerConfig
 from megatron.optim.grad_scaler import GradScaler
-from megatron.optim.optimizer import MainParamOptimizer, check_entries, counts_in_norm, decays
+from megatron.optim.optimizer import MainParamOptimizer, check_entries
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.state import ParallelState
 
@@ -120,10 +120,7 @@ class DistributedOptimizer(MainParamOptimizer):
         else:
             mains = [self._view("main", p) for p in self.pieces]
         self._grads = [ddp.buffer[self._buffer_range(p)] for p in self.pieces]
-        params = [self.model_params[p.index] for p in self.pieces]
-        decay = [decays(self.names[p.index], param) for p, param in zip(self.pieces, params)]
-        split = [getattr(param, "tp_split_dim", None) is not None for param in params]
-        self._setup(mains, decay, split, [counts_in_norm(param, state) for param in params])
+        self._setup(mains, [p.index for p in self.pieces])
         # The moments live in the flat shard: torch's AdamW finds its state already there (as it
         # would after its first step) and updates these views in place.
         for piece, main in zip(self.pieces, mains):

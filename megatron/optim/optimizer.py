@@ -113,15 +113,17 @@ class MainParamOptimizer(ABC):
         self.names: list[str] = []  # trainable parameters' names: state_dict()["params"] keys
         self.model_params: list[nn.Parameter] = []  # those parameters, in the same order
 
-    def _setup(
-        self, mains: list[Tensor], decay: list[bool], split: list[bool], counted: list[bool]
-    ) -> None:
-        """AdamW over ``mains``; ``split[i]``: main i is (part of) a TP-split parameter;
-        ``counted[i]``: its gradient is part of the norm (``counts_in_norm``)."""
+    def _setup(self, mains: list[Tensor], owners: Sequence[int]) -> None:
+        """AdamW over ``mains``, main i being (part of) parameter ``owners[i]`` of ``names`` and
+        ``model_params``, which says whether main i decays, is TP-split and counts in the norm."""
         if not mains:
             raise ValueError("the model has no trainable parameters")
-        self.main_params, self._split, self._counted = mains, split, counted
-        self.device = mains[0].device
+        params = [self.model_params[i] for i in owners]
+        self.main_params, self.device = mains, mains[0].device
+        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
+        self._split = [getattr(p, "tp_split_dim", None) is not None for p in params]
+        self._counted = [counts_in_norm(p, self.state) for p in params]
+        decay = [decays(self.names[i], p) for i, p in zip(owners, params)]
         # Steps applied to each main param, on the host: read without a device sync.
         self._steps = [0] * len(mains)
         groups = [
@@ -258,10 +260,7 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
             mains.append(param if param.dtype == torch.float32 else param.detach().float())
             self.names.append(name)
             self.model_params.append(param)
-        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
-        split = [getattr(p, "tp_split_dim", None) is not None for p in self.model_params]
-        decay = [decays(n, p) for n, p in zip(self.names, self.model_params)]
-        self._setup(mains, decay, split, [counts_in_norm(p, state) for p in self.model_params])
+        self._setup(mains, range(len(mains)))
         self._lowp = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
 
     def _attach_grads(self) -> list[Tensor | None]:

@@ -120,14 +120,11 @@ class DataParallel:
         self.param_buffer = self._flatten_params() if shard_optimizer else None
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
+        owner = self.dp_rank if shard_optimizer else 0  # without sharding, all of each bucket
         for start, numel, members in spans:
             size = -(-numel // pad_to) * pad_to
             part = size // pad_to
-            mine = (
-                slice(part * self.dp_rank, part * (self.dp_rank + 1))
-                if shard_optimizer
-                else slice(0, size)
-            )
+            mine = slice(part * owner, part * (owner + 1))
             bucket = _Bucket(self.buffer[start : start + size], members, start, numel, mine)
             bucket.held = any(getattr(p, "pipeline_tied", False) for p in members)
             if self.param_buffer is not None:

@@ -2,11 +2,10 @@
 
 Initialisation draws the full matrix from the layer's generator (the same stream on every TP rank,
 ``RNGTracker.init_generator``) and keeps this rank's slice, so a TP=N model holds exactly the
-slices of the TP=1 model. Every split parameter
-carries ``tp_split_dim``; replicated ones carry nothing. Clipping, weight-decay grouping and
-checkpoint resharding all read that one attribute. A parameter whose dim 0 is the padded
-vocabulary (the word table, BERT's LM-head bias) also carries ``vocab_padded = True``, so
-resharding knows which rows are padding.
+slices of the TP=1 model. Every split parameter carries ``tp_split_dim``; replicated ones carry
+nothing. Clipping, weight-decay grouping and checkpoint resharding all read that one attribute. A
+parameter whose dim 0 is the padded vocabulary (the word table, BERT's LM-head bias) also carries
+``vocab_padded = True``, so resharding knows which rows are padding.
 
 The column- and row-parallel matmuls run through ``LinearWithGradReduce`` when it pays: it
 overlaps the column-parallel input-gradient all-reduce with the weight-gradient matmul, and adds

@@ -114,82 +114,18 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-class _Scatter(torch.autograd.Function):
-    """Keep this rank's chunk of the last dimension forward; all-gather the gradient backward."""
+class _Exchange(torch.autograd.Function):
+    """``forward_fn(x, group)`` forward; ``backward_fn(grad, group)`` backward: the scatters and
+    gathers below, each of which is the other's adjoint."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _split_last(x, group)
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, forward_fn, backward_fn) -> Tensor:
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_last(grad, ctx.group), None
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather along the last dimension forward; keep this rank's gradient chunk backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _split_last(grad, ctx.group), None
-
-
-class _GatherSeqToTP(torch.autograd.Function):
-    """Sequence-parallel f: all-gather along the sequence forward; reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Sequence-parallel g: reduce-scatter along the sequence forward; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_seq(grad, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Keep this rank's sequence slice forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_seq(grad, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence forward; keep this rank's gradient slice backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return all_gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return _split_seq(grad, ctx.group), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -204,32 +140,32 @@ def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def scatter_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Split the last dimension across the group (gather backward)."""
-    return x if _size(group) == 1 else _Scatter.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, _split_last, _gather_last)
 
 
 def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Concatenate every rank's last-dimension chunk (split backward)."""
-    return x if _size(group) == 1 else _Gather.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, _gather_last, _split_last)
 
 
 def gather_seq_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Sequence-parallel f: enter a parallel region from sequence-split activations (all-gather
     along the sequence forward; reduce-scatter of the partial input gradients backward)."""
-    return x if _size(group) == 1 else _GatherSeqToTP.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, all_gather_seq, reduce_scatter_seq)
 
 
 def reduce_scatter_seq_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Sequence-parallel g: leave a parallel region into sequence-split activations
     (reduce-scatter along the sequence forward; all-gather backward)."""
-    return x if _size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, reduce_scatter_seq, all_gather_seq)
 
 
 def scatter_seq(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Split a replicated [b, s, h] along the sequence (all-gather backward): the embedding end."""
-    return x if _size(group) == 1 else _ScatterSeq.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, _split_seq, all_gather_seq)
 
 
 def gather_seq(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Replicate sequence-split activations for replicated consumers: all-gather forward; backward
     keeps this rank's slice of the gradient, which such consumers make whole on every rank."""
-    return x if _size(group) == 1 else _GatherSeq.apply(x, group)
+    return x if _size(group) == 1 else _Exchange.apply(x, group, all_gather_seq, _split_seq)

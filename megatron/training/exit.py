@@ -3,11 +3,9 @@
 
 The signal handler only records that the signal came, so a signal is never lost, whenever it
 arrives: during a step, an evaluation, a save, or the setup before the first step. Once per
-iteration every rank's flags (``ExitPolicy.local_flags``) are summed in one all-reduce, so a
-signal delivered to any one rank makes every rank save at the same iteration and exit 0: they ride
-in the step's reduction (``megatron.training.reduction``: the optimizer step's own all-reduce and
-host sync, and, on an evaluation iteration, the evaluation's, so that a signal that came during it
-is acted on at once), and ``reason`` decides from their sums.
+iteration every rank's flags (``ExitPolicy.local_flags``) are summed in the step's reduction
+(``megatron.training.reduction``; again after an evaluation), so a signal delivered to any one
+rank makes every rank save at the same iteration and exit 0; ``reason`` decides from the sums.
 
 The signal must come early enough for the iteration in flight plus the save: a scheduler's
 SIGTERM is followed by SIGKILL after its grace time (SLURM: ``KillWait``, 30 s by default), so
@@ -37,7 +35,6 @@ class ExitSignal:
         self.received = True
 
     def restore(self) -> None:
-        """Reinstate the handler that was there before."""
         signal.signal(self.signum, self._previous)
 
 

@@ -26,8 +26,7 @@ from megatron.checkpoint.async_save import Checkpointer
 from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
-from megatron.optim.lr_schedule import LRSchedule
-from megatron.optim.optimizer import MainParamOptimizer, StepResult
+from megatron.optim.optimizer import StepResult
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
 from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
@@ -35,7 +34,7 @@ from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy
 from megatron.training.metrics import LogWindow, MetricsLogger, gather_memory, memory_mb
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
-from megatron.training.train_state import Progress, TrainState
+from megatron.training.train_state import TrainState
 
 Batch = dict[str, Tensor]
 # forward_step(model, batch) -> each loss's sum and count (``LossSums``), which the library
@@ -65,25 +64,7 @@ class TrainLoop:
     stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
     checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
 
-    # The parts of ``train`` the step reads, by their short names.
-    @property
-    def model(self) -> nn.Module:
-        return self.train.model
-
-    @property
-    def optimizer(self) -> MainParamOptimizer:
-        return self.train.optimizer
-
-    @property
-    def schedule(self) -> LRSchedule:
-        return self.train.schedule
-
-    @property
-    def progress(self) -> Progress:
-        return self.train.progress
-
     def logs_at(self, iteration: int) -> bool:
-        """Whether ``iteration`` ends with a training line."""
         t = self.cfg.training
         return iteration % self.cfg.logging.log_interval == 0 or iteration == t.train_iters
 
@@ -107,20 +88,20 @@ class TrainLoop:
                 # Only the last micro-batch's backward all-reduces gradients over DP.
                 last = i == self.num_micro - 1
                 with contextlib.nullcontext() if last else self.ddp.no_sync():
-                    loss, values = micro_batch_loss(self.forward_step(self.model, batch))
-                    self.optimizer.scale_loss(loss / self.num_micro).backward()
+                    loss, values = micro_batch_loss(self.forward_step(self.train.model, batch))
+                    self.train.optimizer.scale_loss(loss / self.num_micro).backward()
                 step.add(values)
         self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
         # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
         # slice of the sequence only; one all-reduce over TP sums them before clipping.
         if self.cfg.parallel.sequence_parallel:  # else no parameter is flagged: skip the scan
-            allreduce_sequence_parallel_grads(self.model, self.state.tp_group)
+            allreduce_sequence_parallel_grads(self.train.model, self.state.tp_group)
         # A logged step's memory: host-side reads, after backward and before the update.
-        logged = self.logs_at(self.progress.iteration + 1)
-        memory = memory_mb(self.state.device, self.optimizer.state_bytes()) if logged else {}
+        logged = self.logs_at(self.train.progress.iteration + 1)
+        memory = memory_mb(self.state.device, self.train.optimizer.state_bytes()) if logged else {}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
-        result = self.optimizer.step(step.pack(policy.local_flags()))
+        result = self.train.optimizer.step(step.pack(policy.local_flags()))
         means, flags = step.unpack(result.sums)
         return result, means, memory, flags
 
@@ -136,14 +117,14 @@ class TrainLoop:
         batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
 
         def scale(loss: Tensor) -> Tensor:
-            return self.optimizer.scale_loss(loss / self.num_micro)
+            return self.train.optimizer.scale_loss(loss / self.num_micro)
 
         def sync_last(chunk: int, microbatch: int) -> None:
             self.ddp.sync_backward(microbatch == self.num_micro - 1)
 
         with self.ddp.no_sync():
             sums, _ = self.stage.run(batches, self.num_micro, micro_batch_loss, scale, sync_last)
-        allreduce_tied_grads(self.model, self.state)
+        allreduce_tied_grads(self.train.model, self.state)
         return sums
 
     @torch.no_grad()
@@ -153,7 +134,7 @@ class TrainLoop:
         """``iters`` steps of evaluation on ``data``: the metrics averaged over them and the
         replicas, and the exit flags summed over the world (agreed after the evaluation, so a
         signal that came during it counts now); one all-reduce and one host sync."""
-        self.model.eval()
+        self.train.model.eval()
         step = StepReduction(self.state)
         if self.stage is not None:
             # The forward-only schedule, one step's micro-batches at a time.
@@ -166,8 +147,8 @@ class TrainLoop:
         else:
             for _ in range(iters * self.num_micro):
                 batch = to_device(next(data), self.state.device)
-                step.add(micro_batch_loss(self.forward_step(self.model, batch))[1])
-        self.model.train()
+                step.add(micro_batch_loss(self.forward_step(self.train.model, batch))[1])
+        self.train.model.train()
         local = step.pack(policy.local_flags())
         if self.state.world_size > 1:
             # The means over the replicas, and the flags of every rank, so that all stop together.
@@ -178,12 +159,11 @@ class TrainLoop:
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.save (if set); with
         checkpoint.async_save it is written in the background while training goes on."""
-        if self.cfg.checkpoint.save:
+        ckpt = self.cfg.checkpoint
+        if ckpt.save:
             if self.checkpointer is None:
-                async_save = self.cfg.checkpoint.async_save
-                self.checkpointer = Checkpointer(async_save, self.metrics.record)
-            save_dir = self.cfg.checkpoint.save
-            self.checkpointer.save(save_dir, self.train, self.cfg, self.state, self.vocab_size)
+                self.checkpointer = Checkpointer(ckpt.async_save, self.metrics.record)
+            self.checkpointer.save(ckpt.save, self.train, self.cfg, self.state, self.vocab_size)
 
     def run(
         self,
@@ -213,12 +193,11 @@ class TrainLoop:
         test_iter: Iterator[Batch] | None,
         policy: ExitPolicy,
     ) -> int:
-        """The loop of ``run``."""
-        cfg, p, t = self.cfg, self.progress, self.cfg.training
-        self.model.train()
+        cfg, p, t = self.cfg, self.train.progress, self.cfg.training
+        self.train.model.train()
         while p.iteration < t.train_iters:
             if self.heartbeat is not None:
-                self.heartbeat.at_iteration(p.iteration + 1)
+                self.heartbeat.iteration = p.iteration + 1  # published with its next beat
             start = time.perf_counter()
             result, means, memory, flags = self.train_step(train_iter, policy)
             # The step ended in a host sync after its last kernel (the optimizer's copy-back), so
@@ -230,7 +209,7 @@ class TrainLoop:
             nan = not result.updated and cfg.precision.dtype != "fp16"
             nan = nan and not math.isfinite(result.grad_norm)
             if result.updated:
-                self.optimizer.set_lr(self.schedule.step())
+                self.train.optimizer.set_lr(self.train.schedule.step())
                 p.consecutive_skips = 0
             else:
                 p.skipped_iters += 1
@@ -245,13 +224,9 @@ class TrainLoop:
             p.window.add(means, seconds, not result.updated, nan)
 
             if self.logs_at(p.iteration):
-                step = {
-                    "learning rate": self.optimizer.lr,
-                    "loss scale": result.loss_scale,
-                    "grad norm": result.grad_norm,
-                }
                 samples, every_rank = p.consumed_train_samples, gather_memory(memory, self.state)
-                self.metrics.training(p.iteration, samples, p.window, step, every_rank)
+                lr = self.train.optimizer.lr
+                self.metrics.training(p.iteration, samples, p.window, lr, result, every_rank)
                 p.window = LogWindow()
             if evaluated is not None:
                 self.metrics.validation(p.iteration, p.consumed_train_samples, evaluated)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.config.schema import Config
 from megatron.estimate.flops import flops_per_iteration
 from megatron.logging import log
+from megatron.optim.optimizer import StepResult
 from megatron.parallel.state import ParallelState
 
 # The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
@@ -73,13 +74,9 @@ def gather_memory(memory: dict[str, float], state: ParallelState) -> dict[str, l
 
 
 class _NullWriter:
+    """The TensorBoard writer when there is none: what MetricsLogger calls does nothing."""
+
     def add_scalar(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def add_text(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def flush(self) -> None:
         pass
 
     def close(self) -> None:
@@ -89,7 +86,8 @@ class _NullWriter:
 @dataclass
 class LogWindow:
     """The iterations since the last training line: metric sums (each iteration's value already
-    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps."""
+    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps. It travels
+    in checkpoints, so a run resumed mid-window writes the lines of one that never stopped."""
 
     steps: int = 0
     sums: dict[str, float] = field(default_factory=dict)
@@ -98,7 +96,6 @@ class LogWindow:
     nans: int = 0
 
     def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
-        """Count one iteration."""
         self.steps += 1
         for name, value in values.items():
             self.sums[name] = self.sums.get(name, 0.0) + value
@@ -107,7 +104,6 @@ class LogWindow:
         self.nans += nan
 
     def means(self) -> dict[str, float]:
-        """Each metric's mean over the window."""
         return {name: total / self.steps for name, total in self.sums.items()}
 
 
@@ -122,7 +118,6 @@ class Workload:
 
     @classmethod
     def of(cls, cfg: Config, padded_vocab_size: int, world_size: int) -> Workload:
-        """The work of one iteration of ``cfg``'s model on ``world_size`` devices."""
         m, t = cfg.model, cfg.training
         flops = flops_per_iteration(
             num_layers=m.num_layers,
@@ -179,12 +174,13 @@ class MetricsLogger:
         iteration: int,
         samples: int,
         window: LogWindow,
-        step: dict[str, float],
+        lr: float,
+        step: StepResult,
         memory: dict[str, list[float]],
     ) -> None:
         """The line for ``window``, which ends at ``iteration`` after ``samples`` samples.
 
-        ``step``: the last step's ``learning rate``, ``loss scale`` and ``grad norm``;
+        ``lr`` and ``step``: the last step's learning rate and result (loss scale, grad norm);
         ``memory``: each ``memory_mb`` figure of every rank (index: global rank), read after the
         last step's backward and before its update: a peak covers every earlier update, so at
         iteration 1 it does not yet hold the Adam moments torch allocates in the first update.
@@ -193,7 +189,7 @@ class MetricsLogger:
         seconds = window.seconds / window.steps
         tokens_per_s = work.tokens_per_iter / seconds
         tflops = work.flops_per_iter / seconds / work.world_size / 1e12
-        lr, scale, norm = step["learning rate"], step["loss scale"], step["grad norm"]
+        scale, norm = step.loss_scale, step.grad_norm
         self.record(
             {
                 "iteration": iteration,
@@ -241,17 +237,9 @@ class MetricsLogger:
             values[f"{name} {split}"] = value
             values[f"{name} {split} ppl"] = perplexity(value)
         self.scalars(values, iteration, samples)
-        self.record(
-            {
-                "iteration": iteration,
-                "consumed_samples": samples,
-                **{k.replace(" ", "_"): v for k, v in values.items()},
-            }
-        )
+        fields = {k.replace(" ", "_"): v for k, v in values.items()}
+        self.record({"iteration": iteration, "consumed_samples": samples, **fields})
         log.info("%s at iteration %d | %s", split, iteration, format_line(values))
-
-    def flush(self) -> None:
-        self.tb.flush()
 
     def close(self) -> None:
         self.tb.close()

@@ -2,12 +2,8 @@
 
 ``pretrain`` validates the config before any process starts work, builds the process groups,
 tokenizer, model, optimizer and data, resumes from the newest intact checkpoint when there is
-one, then hands over to ``train_loop.TrainLoop``: micro-batches -> forward/backward -> DP
-gradient sync -> unscale/check/clip/step (with the metrics and exit flags in its all-reduce,
-and the iteration's one host sync at its end) -> LR step -> evaluate (agreeing on the exit flags
-again) -> log -> save, until ``train_iters`` (or ``train_samples``), ``exit_interval``,
-``exit_duration_in_mins`` or the exit signal; a run that reaches ``train_iters`` then evaluates
-the test split once (``test_iters``).
+one, then hands over to ``megatron.training.loop.TrainLoop`` until ``train_iters`` (or
+``train_samples``), ``exit_interval``, ``exit_duration_in_mins`` or the exit signal.
 
 Resuming is bit-exact: a checkpoint holds every rank's RNG states, the data position of both
 streams, the optimizer, loss scaler and LR schedule, and the open log window. If a peer dies or
@@ -27,7 +23,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch import nn
 
 from megatron import checkpoint
 from megatron.config.dtypes import DTYPES
@@ -104,13 +99,12 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
     exit_signal = ExitSignal(cfg.training.exit_signal)
     lock: RunLock | NoLock = NO_LOCK  # checkpoint.save's, released on every way out
     try:
+        p = cfg.parallel
         state = parallel_state.initialize(
-            cfg.parallel.tensor_parallel_size,
-            cfg.parallel.timeout_minutes,
-            cfg.parallel.pipeline_parallel_size,
+            p.tensor_parallel_size, p.timeout_minutes, p.pipeline_parallel_size
         )
         setup_logging(state.rank)
-        grace = cfg.parallel.heartbeat_grace_s
+        grace = p.heartbeat_grace_s
         lock = hold_save_dir(cfg.checkpoint.save, grace, state)
         # The heartbeat ends the process itself when a peer is lost: it releases the lock first.
         heartbeat = None
@@ -122,7 +116,14 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
         except Exception as err:
             if heartbeat is None:
                 raise
-            return _peer_failure(err, heartbeat)
+            # A user mistake found after setup (e.g. at load) is raised by every rank alike; any
+            # other error is a lost peer's when the heartbeat names one.
+            report = None if isinstance(err, ConfigError) else heartbeat.blame(err)
+            heartbeat.leave(f"{type(err).__name__}: {str(err)[:200]}")
+            if report is None:
+                raise
+            log.error("%s", report)
+            return PEER_FAILURE
         if heartbeat is not None:
             heartbeat.leave("finished")
         parallel_state.shutdown()
@@ -130,17 +131,6 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
     finally:
         lock.release()
         exit_signal.restore()
-
-
-def _peer_failure(err: Exception, heartbeat: Heartbeat) -> int:
-    """Name the peers at fault and return PEER_FAILURE; re-raise ``err`` if none is."""
-    # A user mistake found after setup (e.g. at load) is raised by every rank alike.
-    report = None if isinstance(err, ConfigError) else heartbeat.blame(err)
-    heartbeat.leave(f"{type(err).__name__}: {str(err)[:200]}")
-    if report is None:
-        raise err
-    log.error("%s", report)
-    return PEER_FAILURE
 
 
 def _train(
@@ -191,13 +181,13 @@ def _train(
     log.info("model: %d parameters on rank 0 (padded vocab %d)", n_params, padded_vocab)
     # With parallel.distributed_optimizer the buckets are reduce-scattered and each DP rank
     # updates its shard of them (megatron/optim/distributed_optimizer.py).
-    sharded = cfg.parallel.distributed_optimizer
+    parallel = cfg.parallel
     ddp = DataParallel(
         model,
         state,
-        cfg.parallel.ddp_bucket_size_mb,
-        shard_optimizer=sharded,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        parallel.ddp_bucket_size_mb,
+        shard_optimizer=parallel.distributed_optimizer,
+        overlap_param_gather=parallel.overlap_param_gather,
     )
     optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
     schedule = LRSchedule.from_config(cfg.optimizer)
@@ -231,34 +221,17 @@ def _train(
     metrics = MetricsLogger(
         cfg.logging.tensorboard_dir, cfg.logging.metrics_file, state.is_first, config_text, work
     )
-    loop = TrainLoop(
-        cfg,
-        state,
-        train,
-        ddp,
-        metrics,
-        forward_step,
-        derived.num_micro_batches,
-        tokenizer.vocab_size,
-        heartbeat=heartbeat,
-        stage=_pipeline_stage(cfg, state, model, forward_step),
-    )
+    stage = None  # with pipeline parallelism: this rank's stage, which runs the schedule
+    if state.pp_size > 1:
+        mbs, dtype = cfg.training.micro_batch_size, DTYPES[cfg.precision.dtype]
+        spec = activation_spec(cfg.model, mbs, state, parallel.sequence_parallel, dtype)
+        stage = PipelineStage(model, forward_step, state, spec)
+    micro, vocab = derived.num_micro_batches, tokenizer.vocab_size
+    loop = TrainLoop(cfg, state, train, ddp, metrics, forward_step, micro, vocab, heartbeat, stage)
     try:
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
         metrics.close()
-
-
-def _pipeline_stage(
-    cfg: Config, state: ParallelState, model: nn.Module, forward_step: ForwardStep
-) -> PipelineStage | None:
-    """This rank's pipeline stage, which runs the schedule; None without pipeline parallelism."""
-    if state.pp_size == 1:
-        return None
-    dtype = DTYPES[cfg.precision.dtype]
-    mbs, sequence_parallel = cfg.training.micro_batch_size, cfg.parallel.sequence_parallel
-    spec = activation_spec(cfg.model, mbs, state, sequence_parallel, dtype)
-    return PipelineStage(model, forward_step, state, spec)
 
 
 def _resume_source(cfg: Config) -> tuple[str | None, bool]:

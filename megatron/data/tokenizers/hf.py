@@ -28,7 +28,6 @@ class HFBacked(Tokenizer):
         self._tok.add_special_tokens([AddedToken(t, special=True) for t in tokens])
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``."""
         return self._tok.encode(text, add_special_tokens=self._add_special).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

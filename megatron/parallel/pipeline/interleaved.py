@@ -35,6 +35,7 @@ neighbour posted the receives of a tick before, so no deadlock can arise.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -71,12 +72,8 @@ def interleaved_one_f_one_b(
     forward_only: bool = False,
     before_backward: BackwardHook | None = None,
 ) -> ScheduleResult:
-    """Run ``num_microbatches`` through this stage's ``chunks`` (virtual stages c * p + s).
-
-    ``forward_only`` (evaluation): every unit is a warm-up forward, under ``no_grad``, and
-    nothing runs backward. Every stage reads ``num_microbatches`` items from ``batches``.
-    ``before_backward(chunk, microbatch)`` runs just before each backward.
-    """
+    """Run ``num_microbatches`` through this stage's ``chunks`` (virtual stages c * p + s); the
+    other arguments as ``one_f_one_b``'s (``forward_only``: every unit is a warm-up forward)."""
     if pipe.size < 2:
         raise ValueError("an interleaved pipeline needs at least 2 stages")
     if num_microbatches % pipe.size:
@@ -85,10 +82,8 @@ def interleaved_one_f_one_b(
         )
     runner = ChunkRunner(chunks, batches, pipe, scale_loss, before_backward)
     schedule = _Interleaved(runner, num_microbatches, pipe, spec)
-    if forward_only:
-        with torch.no_grad():
-            return schedule.run(forward_only=True)
-    return schedule.run(forward_only=False)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return schedule.run(forward_only)
 
 
 class _Interleaved:
@@ -148,18 +143,12 @@ class _Interleaved:
         """
         if len(self.exchanges) >= SEND_LAG:
             self.exchanges[-SEND_LAG].wait_sends()
-        pending = start_exchange(
-            self.pipe,
-            self.spec,
-            send_next,
-            send_prev,
-            recv_prev=input_chunk is not None,
-            recv_next=grad_chunk is not None,
-        )
+        recv_prev, recv_next = input_chunk is not None, grad_chunk is not None
+        pending = start_exchange(self.pipe, self.spec, send_next, send_prev, recv_prev, recv_next)
         self.exchanges.append(pending)
-        if input_chunk is not None:
+        if recv_prev:
             self.inputs[input_chunk].append(pending)
-        if grad_chunk is not None:
+        if recv_next:
             self.grads[grad_chunk].append(pending)
 
     def finish(self) -> ScheduleResult:

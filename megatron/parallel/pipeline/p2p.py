@@ -5,14 +5,14 @@ gradients back from it. The ring closes (the last stage's next is stage 0) becau
 interleaved pipeline hands the last stage's output of chunk c to stage 0's chunk c + 1.
 
 Every exchange is one ``torch.distributed.batch_isend_irecv`` of fixed-shape tensors
-(micro-batch x sequence x hidden, known in advance, so no shape is ever exchanged). ``exchange``
-waits for all of it before returning; ``start_exchange`` returns the transfers still pending, so
-a schedule can wait for a received activation only before the forward that reads it, for a
-gradient only before its backward, and for its sends only at the end (a send completes only
-once the receiver has posted, so waiting for it early makes every exchange a rendezvous).
-Batching a stage's sends with its receives is what keeps 1F1B free of
-deadlock where a send completes only once its receiver posts (NCCL): two neighbours that both
-send and then both receive, separately, would each wait for the other forever.
+(micro-batch x sequence x hidden, known in advance, so no shape is ever exchanged). The 1F1B
+helpers wait for all of it before returning; ``start_exchange`` returns the transfers still
+pending, so a schedule can wait for a received activation only before the forward that reads it,
+for a gradient only before its backward, and for its sends only at the end (a send completes
+only once the receiver has posted, so waiting for it early makes every exchange a rendezvous).
+Batching a stage's sends with its receives is what keeps 1F1B free of deadlock where a send
+completes only once its receiver posts (NCCL): two neighbours that both send and then both
+receive, separately, would each wait for the other forever.
 
 Matching. Between two ranks, messages of one direction are matched in the order they were
 posted. With two stages, a rank's prev and next are the same peer, so one direction carries both
@@ -149,16 +149,9 @@ def start_exchange(
     return PendingExchange(ops)
 
 
-def exchange(
-    pipe: PipelineGroup,
-    spec: ActivationSpec,
-    send_next: Tensor | None = None,
-    send_prev: Tensor | None = None,
-    recv_prev: bool = False,
-    recv_next: bool = False,
-) -> tuple[Tensor | None, Tensor | None]:
+def _exchange(pipe: PipelineGroup, spec: ActivationSpec, **transfers) -> tuple[Tensor | None, ...]:
     """``start_exchange``, waited on in full; return (from_prev, from_next)."""
-    return start_exchange(pipe, spec, send_next, send_prev, recv_prev, recv_next).wait()
+    return start_exchange(pipe, spec, **transfers).wait()
 
 
 def _empty(spec: ActivationSpec) -> Tensor:
@@ -173,39 +166,35 @@ def _op(fn: Callable, tensor: Tensor, peer: int, pipe: PipelineGroup, tag: int) 
 
 def recv_forward(pipe: PipelineGroup, spec: ActivationSpec) -> Tensor | None:
     """The input activation from the previous stage (None on the first stage)."""
-    return None if pipe.is_first else exchange(pipe, spec, recv_prev=True)[0]
+    return None if pipe.is_first else _exchange(pipe, spec, recv_prev=True)[0]
 
 
 def send_forward(pipe: PipelineGroup, spec: ActivationSpec, output: Tensor | None) -> None:
     """The output activation to the next stage (nothing on the last stage)."""
     if not pipe.is_last:
-        exchange(pipe, spec, send_next=output)
+        _exchange(pipe, spec, send_next=output)
 
 
 def recv_backward(pipe: PipelineGroup, spec: ActivationSpec) -> Tensor | None:
     """The gradient of this stage's output from the next stage (None on the last stage)."""
-    return None if pipe.is_last else exchange(pipe, spec, recv_next=True)[1]
+    return None if pipe.is_last else _exchange(pipe, spec, recv_next=True)[1]
 
 
 def send_backward(pipe: PipelineGroup, spec: ActivationSpec, input_grad: Tensor | None) -> None:
     """The gradient of this stage's input to the previous stage (nothing on the first stage)."""
     if not pipe.is_first:
-        exchange(pipe, spec, send_prev=input_grad)
+        _exchange(pipe, spec, send_prev=input_grad)
 
 
 def send_forward_recv_backward(
     pipe: PipelineGroup, spec: ActivationSpec, output: Tensor | None
 ) -> Tensor | None:
     """Steady 1F1B: this forward's output goes next, the gradient of an earlier one comes back."""
-    if pipe.is_last:
-        return None
-    return exchange(pipe, spec, send_next=output, recv_next=True)[1]
+    return None if pipe.is_last else _exchange(pipe, spec, send_next=output, recv_next=True)[1]
 
 
 def send_backward_recv_forward(
     pipe: PipelineGroup, spec: ActivationSpec, input_grad: Tensor | None
 ) -> Tensor | None:
     """Steady 1F1B: this backward's input gradient goes back, the next input comes in."""
-    if pipe.is_first:
-        return None
-    return exchange(pipe, spec, send_prev=input_grad, recv_prev=True)[0]
+    return None if pipe.is_first else _exchange(pipe, spec, send_prev=input_grad, recv_prev=True)[0]

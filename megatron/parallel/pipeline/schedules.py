@@ -34,6 +34,7 @@ each backward. ``max_in_flight`` counts it from the events a schedule records, a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -198,10 +199,8 @@ def one_f_one_b(
     ``before_backward(chunk, microbatch)`` runs just before each backward.
     """
     run = ChunkRunner([chunk], batches, pipe, scale_loss, before_backward)
-    if forward_only:
-        with torch.no_grad():
-            return _one_f_one_b(run, num_microbatches, pipe, spec, True)
-    return _one_f_one_b(run, num_microbatches, pipe, spec, False)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return _one_f_one_b(run, num_microbatches, pipe, spec, forward_only)
 
 
 def _one_f_one_b(run: ChunkRunner, m, pipe, spec, forward_only) -> ScheduleResult:
