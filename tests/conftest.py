@@ -6,6 +6,10 @@ import sys
 # Before torch is imported: its OpenMP pool reads this once, and every process a test starts
 # inherits it (processes x threads <= the 2 cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite starts hundreds of interpreters: where the environment forbids bytecode caches
+# (PYTHONDONTWRITEBYTECODE, as on CI), each would compile torch and this repo from source again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
