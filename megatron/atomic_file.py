@@ -1,11 +1,44 @@
-"""Files that appear under their final name only when complete, and durable once renamed."""
+"""Files that appear under their final name only when complete, and durable once renamed; and
+what to tell the user when storage refuses a write."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
+
+# Errors by which storage refuses a write, whatever the data: the user's fix for each.
+_REFUSALS = {
+    errno.ENOSPC: "free space",
+    errno.EDQUOT: "free space",
+    errno.EROFS: "make it writable",
+    errno.EACCES: "make it writable",
+}
+
+
+def refusal(err: BaseException) -> tuple[str, str] | None:
+    """(storage's reason, e.g. "no space left on device"; the user's fix) when ``err`` is storage
+    refusing a write (full, over quota, read-only, not permitted); None for any other error."""
+    if isinstance(err, OSError) and err.errno in _REFUSALS:
+        return os.strerror(err.errno).lower(), _REFUSALS[err.errno]
+    return None
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free to this user on the file system of ``path``, or of its nearest existing parent
+    (a directory that could not be created)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def mib(n: int) -> str:
+    """``n`` bytes as MiB for a message: ``2.1 MiB``."""
+    return f"{n / 2**20:.1f} MiB"
 
 
 def fsync_path(path: str) -> None:

@@ -11,6 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if ! command -v "$PY" >/dev/null; then
+    echo "gpu_check: PYTHON=$PY is not an interpreter here; set PYTHON to one" >&2
+    exit 2
+fi
+# Every package the steps import, before any runs: a missing one is one line and exit 2.
+"$PY" -m tools.gpu_check.requirements
 export PYTHONUNBUFFERED=1
 # One connection per device so the overlapped TP communication is issued in order (issue #11).
 export CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -12,16 +12,22 @@
 #               up to the CPU count and 8, since the shipped TP and batch sizes are powers of two)
 #   ENTRYPOINT  pretrain_gpt.py (default) or pretrain_bert.py
 #   LOG_DIR     where torchrun tees every rank's stdout/stderr (default: logs/torchrun)
-#   PYTHON      interpreter with the requirements installed (default: python)
+#   PYTHON      interpreter with the requirements installed (default: the repository's
+#               .venv/bin/python when there is one, else python3)
 #   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other ranks after one fails (default 280)
 #
-# Run from the repository root. SIGTERM (what a scheduler or `kill` sends), SIGUSR1 or SIGUSR2
-# to this script makes every rank save and exit 0: the script sends training.exit_signal to the
-# ranks themselves (torchrun's children), and torchrun, started with these three ignored and
-# without them in --signals-to-handle, does not act on them. Were torchrun to catch one, it would
-# pass it on and then exit 1 (a SignalException) even after every rank saved; this way the
-# script's exit status is torchrun's, which is the ranks' own (a signal that comes before the
-# ranks have started reaches none of them). A collective that fails or times out ends the process
+# Run from the repository root. The entrypoint's --preflight runs first (config, files, world
+# size): a mistake is one line and exit 2, and torchrun never starts. torchrun runs as
+# megatron.launch.torchrun: torchrun whose failure is the failed worker's one line and exit code
+# (2 config, 4 storage, 3 NaN stop, 1 lost peer), not a traceback and 1.
+#
+# SIGTERM (what a scheduler or `kill` sends), SIGUSR1 or SIGUSR2 to this script makes every rank
+# save and exit 0: the script sends training.exit_signal to the ranks themselves (torchrun's
+# children), and torchrun, started with these three ignored and without them in
+# --signals-to-handle, does not act on them. Were torchrun to catch one, it would pass it on and
+# then exit 1 (a SignalException) even after every rank saved; this way the script's exit status
+# is torchrun's, which is the ranks' own (a signal that comes before the ranks have started
+# reaches none of them). A collective that fails or times out ends the process
 # (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) after dumping the flight recorder
 # (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_NCCL_TRACE_BUFFER_SIZE=2000); set them to override.
 set -euo pipefail
@@ -34,7 +40,11 @@ CONFIG=$1
 shift
 ENTRYPOINT=${ENTRYPOINT:-pretrain_gpt.py}
 LOG_DIR=${LOG_DIR:-logs/torchrun}
-PYTHON=${PYTHON:-python}
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python
+    if [[ ! -x $PYTHON ]]; then PYTHON=python3; fi
+    echo "== PYTHON=$PYTHON (the repository's .venv, else python3; set PYTHON to choose)"
+fi
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-280}
 
 # torchrun's own default (--nproc-per-node=gpu) dies with a traceback on a machine without CUDA.
@@ -72,9 +82,12 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 
+# The checks training runs before its first collective, in one process: exit 2 on a mistake.
+"$PYTHON" "$ENTRYPOINT" --preflight --world-size "$NPROC" --config "$CONFIG" "$@"
+
 # torchrun runs with the stop signals ignored and leaves them out of --signals-to-handle.
 STOP_SIGNALS=(SIGTERM SIGUSR1 SIGUSR2)
-CMD=("$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node="$NPROC"
+CMD=("$PYTHON" -m megatron.launch.torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC"
     --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --signals-to-handle=SIGINT,SIGHUP,SIGQUIT
     --shutdown-timeout="$SHUTDOWN_TIMEOUT" "$ENTRYPOINT" --config "$CONFIG" "$@")
 echo "== ${CMD[*]}"

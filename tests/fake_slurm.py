@@ -19,9 +19,13 @@ through megatron.parallel.launcher.launcher_env.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from megatron.data.indexed_dataset import IndexedDatasetWriter
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,13 +103,21 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '%s\n' $STUB_HOSTS; fi
 """,
     "nvidia-smi": "#!/bin/bash\necho 'stub nvidia-smi: no GPUs here'\n",
 }
-# Stands in for python in the single-node script: records the launcher command line.
-RECORD_PYTHON = '#!/bin/bash\nprintf \'%s\\0\' "$@" > "$STUB_LOG/python.args"\n'
+# Stands in for python in the single-node script: records the launcher command line, and the
+# preflight's (a clean one: exit 0) apart.
+RECORD_PYTHON = r"""#!/bin/bash
+if [[ $2 == --preflight ]]; then printf '%s\0' "$@" > "$STUB_LOG/preflight.args"; exit 0; fi
+printf '%s\0' "$@" > "$STUB_LOG/python.args"
+"""
+# The real python, each command line it is given appended to python.calls first.
+TRACE_PYTHON = f'#!/bin/bash\necho "$*" >> "$STUB_LOG/python.calls"\nexec {sys.executable} "$@"\n'
 # An entrypoint that records what its launcher gave it; with PROBE_WAIT it then waits for
 # PROBE_SIGNAL (default SIGTERM) and, with PROBE_SAVE, "saves" (replaces the latest pointer)
-# before exiting 0.
+# before exiting 0. Its --preflight passes, as the real one does for a good config.
 PROBE = """
 import json, os, signal, sys, time
+if "--preflight" in sys.argv:
+    sys.exit(0)
 stop = []
 signal.signal(getattr(signal, os.environ.get("PROBE_SIGNAL", "SIGTERM")), lambda *_: stop.append(1))
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
@@ -126,6 +138,21 @@ if os.environ.get("PROBE_WAIT"):
             f.write("iter_0000007\\n")
         os.replace(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"))
 """
+
+
+def small_inputs(tmp_path: Path, model: str = "gpt") -> list[str]:
+    """Overrides that point CONFIG (or configs/bert_tiny.yaml) at a small real tokenizer and
+    dataset, with every output under ``tmp_path``, so that the scripts' preflight passes."""
+    prefix = tmp_path / "tokens"
+    with IndexedDatasetWriter(str(prefix), np.uint16) as writer:
+        writer.add_document([list(range(1, 100))])
+    fixtures = ROOT / "tests" / "fixtures" / "tokenizers"
+    tokenizer = {"gpt": f"tokenizer.model={fixtures}/sp-bpe.model",
+                 "bert": f"tokenizer.vocab_file={fixtures}/bert-vocab.txt"}[model]  # fmt: skip
+    return [
+        tokenizer, f"data.paths=[{prefix}]", f"data.cache_dir={tmp_path}/cache",
+        f"logging.tensorboard_dir={tmp_path}/tb", f"logging.metrics_file={tmp_path}/m.jsonl",
+    ]  # fmt: skip
 
 
 def run_script(script: Path, env: dict, cwd: Path, *args: str) -> subprocess.CompletedProcess:

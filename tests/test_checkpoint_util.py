@@ -160,8 +160,9 @@ def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
         ("--input", str(damaged), "--output", str(tmp_path / "o1"), "--merge"): "sha256",
         ("--input", str(src), "--output", str(tmp_path / "o2"), "--target-tp", "3"): "divide",
         ("--input", str(src), "--output", str(src), "--merge"): "holds the input",
-        ("--input", str(tmp_path / "nowhere"), "--summary"): "no meta.json and no latest",
-        ("--input", str(src), "--iteration", "7", "--summary"): "not found",
+        ("--input", str(tmp_path / "nowhere"), "--summary"): "no such directory",
+        ("--input", str(tmp_path), "--summary"): "holds no checkpoint (it holds damaged/",
+        ("--input", str(src), "--iteration", "7", "--summary"): "no checkpoint of iteration 7",
     }
     for argv, message in cases.items():
         assert main(list(argv)) == 1, argv

@@ -174,6 +174,38 @@ def test_values_are_type_checked(tmp_path):
     assert tiny("optimizer.lr=1").optimizer.lr == 1.0  # an int is a valid float
 
 
+def test_a_key_or_section_given_twice_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys: the first section's keys would vanish unread."""
+    twice = write(
+        tmp_path, "twice.yaml", "training:\n  seed: 1\nmodel:\n  num_layers: 2\ntraining:\n"
+    )
+    assert error_of(load_config, [TINY, twice]) == (
+        f"{twice}:5: duplicate key training (first at line 1); merge the two"
+    )
+    key = write(tmp_path, "key.yaml", "model:\n  num_layers: 2\n\n  num_layers: 3\n")
+    assert error_of(load_config, [TINY, key]) == (
+        f"{key}:4: duplicate key model.num_layers (first at line 2); merge the two"
+    )
+    # Keys equal in name at different places are no duplicates.
+    apart = write(tmp_path, "apart.yaml", "model:\n  type: gpt\ntokenizer:\n  type: gpt2\n")
+    assert load_config([TINY, apart]).tokenizer.type == "gpt2"
+
+
+def test_numbers_must_be_finite(tmp_path):
+    """inf or nan passes every range check and then skips every step: refused at load."""
+    nan = write(tmp_path, "nan.yaml", "optimizer:\n  lr: .nan\n")
+    assert error_of(load_config, [TINY, nan]) == (
+        f"{nan}:2: optimizer.lr=nan is not a finite number; give a finite value"
+    )
+    for override in ("optimizer.lr=inf", "optimizer.lr=.inf", "optimizer.lr=1e999"):
+        assert error_of(tiny, override) == (
+            f"override '{override}': optimizer.lr=inf is not a finite number; give a finite value"
+        )
+    assert "model.init_method_std=-inf is not a finite" in error_of(
+        tiny, "model.init_method_std=-.inf"
+    )
+
+
 def test_required_key_and_invalid_yaml(tmp_path):
     partial = write(tmp_path, "partial.yaml", "model:\n  num_layers: 2\n")
     assert "model.hidden_size is required" in error_of(load_config, [partial])

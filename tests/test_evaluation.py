@@ -24,6 +24,7 @@ from megatron.errors import ConfigError
 from megatron.inference.detokenize import wikitext_detokenize
 from tests.distributed import run_distributed
 from tests.gpt_run import ROOT
+from tests.test_generation import load_forms
 
 SEQ, STRIDE = 32, 16  # the fixtures' seq_length, and a stride that makes windows overlap
 
@@ -348,14 +349,34 @@ def test_cli_prints_one_json_line(trained_gpt, inputs, runs):
     assert rel(got["loss"], want["loss"]) < 1e-6
 
 
-@pytest.mark.parametrize("problem", ["empty input", "missing checkpoint"])
+def test_cli_reads_every_form_of_load(wide_gpt, inputs, tmp_path):
+    """--load as the run's save directory, one iter_* directory of it, or the merged copy of
+    tools/checkpoint_util.py: the same JSON line, each naming the checkpoint it read."""
+    forms = load_forms(wide_gpt["ckpt"], tmp_path)
+    got = {}
+    for form, load in forms.items():
+        proc = evaluate_cli(flags(load, "text", input=inputs["text.txt"], stride=STRIDE))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (line,) = proc.stdout.splitlines()
+        got[form] = json.loads(line)
+    assert got["save dir"]["checkpoint"] == got["iter dir"]["checkpoint"] == forms["iter dir"]
+    assert got["merged"]["checkpoint"] == os.path.join(forms["merged"], "iter_0000001")
+    for result in got.values():
+        del result["checkpoint"]
+    assert got["save dir"]["tokens"] > 0
+    assert got["save dir"] == got["iter dir"] == got["merged"]
+
+
+@pytest.mark.parametrize("problem", ["empty input", "missing checkpoint", "run directory"])
 def test_bad_input_is_one_line(trained_gpt, inputs, tmp_path, problem):
     """exit 2 and one line on stderr, no traceback."""
     load, path = trained_gpt["ckpt"], inputs["wiki.txt"]
     if problem == "empty input":
         path, message = inputs["empty.txt"], "holds no text"
-    else:
+    elif problem == "missing checkpoint":
         load, message = str(tmp_path / "nowhere"), "no such directory"
+    else:  # the run's directory, which holds its save directory ckpt/
+        load, message = trained_gpt["run"], "holds no checkpoint (it holds "
     proc = evaluate_cli(flags(load, "wikitext", input=path))
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: ")

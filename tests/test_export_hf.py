@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from megatron.checkpoint import load_checkpoint
+from megatron.checkpoint import find_checkpoint, load_checkpoint
 from megatron.config.load import config_from_dict
 from megatron.config.schema import padded_vocab_size
-from megatron.inference.loading import model_type, newest_checkpoint
+from megatron.inference.loading import model_type
 from megatron.interop.export import export_hf
 from megatron.interop.hf_tokenizer import tokenizer_note
 from megatron.interop.verify import TOLERANCE, sample_inputs
@@ -40,7 +41,7 @@ transformers = pytest.importorskip("transformers")
 
 def load_ours(save_dir: str) -> nn.Module:
     """The newest checkpoint of ``save_dir`` in our model at TP=1, loaded as training loads it."""
-    path, meta = newest_checkpoint(save_dir)
+    path, meta = find_checkpoint(save_dir)
     cfg = config_from_dict(meta["config"], path)
     vocab = meta["vocab_size"]
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, 1)
@@ -85,6 +86,32 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def run_without_transformers(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """A tool as a user runs it where transformers is not installed: a package of that name
+    first on the path raises what a missing one does."""
+    stub = tmp_path / "no_transformers" / "transformers"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'transformers'\")\n"
+    )
+    path = os.pathsep.join(p for p in (str(stub.parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def assert_verify_refused(proc: subprocess.CompletedProcess, output: Path) -> None:
+    """Exit 2 and one line with the install command, no traceback, and nothing written: no
+    output, and no staging directory beside it."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "error: --verify needs transformers (No module named 'transformers'): "
+        f"{sys.executable} -m pip install transformers"
+    ]
+    assert not output.exists() and not list(output.parent.glob(f".{output.name}.tmp-*"))
 
 
 @pytest.fixture(scope="module")
@@ -207,15 +234,15 @@ def test_bert_exports_match_ours(trained_berts, tmp_path, position, architecture
     vocab = ours.vocab_size
     assert logit_difference(ours, model, vocab, bert=True) < TOLERANCE
 
-    # WordPiece: AutoTokenizer gives our ids (ours adds no special tokens).
+    # WordPiece: AutoTokenizer gives the ids of the checkpoint's tokenizer (ours adds no special
+    # tokens), lower-casing included.
     from megatron.data.tokenizers.factory import build_tokenizer
 
+    path, meta = find_checkpoint(trained_berts[position])
+    ours_tok = build_tokenizer(**asdict(config_from_dict(meta["config"], path).tokenizer))
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "Kari tomo enarex, quith strings!"
-    vocab_file = "tests/fixtures/tokenizers/bert-vocab.txt"
-    assert tok(text, add_special_tokens=False)["input_ids"] == build_tokenizer(
-        "wordpiece", vocab_file=vocab_file
-    ).encode(text)
+    assert tok(text, add_special_tokens=False)["input_ids"] == ours_tok.encode(text)
 
 
 def test_post_ln_gpt_is_refused_in_one_line(gpt_layouts, tmp_path):
@@ -256,3 +283,11 @@ def test_missing_or_damaged_checkpoint_and_occupied_output_are_refused(
         assert expected in err and len(err.strip().splitlines()) == 1, err
     assert (occupied / "mine.txt").read_text() == "keep me"
     assert not (tmp_path / "o").exists()
+
+
+def test_verify_without_transformers_is_refused_before_writing(wide_gpt, tmp_path):
+    out = tmp_path / "hf"
+    proc = run_without_transformers(
+        tmp_path, "tools/export_hf.py", "--load", wide_gpt["ckpt"], "--output", str(out), "--verify"
+    )
+    assert_verify_refused(proc, out)

@@ -9,6 +9,7 @@ token-for-token equality means something; its 64 positions leave room for 32 new
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from megatron.inference.sampling import SamplingParams, filter_logits
 from megatron.parallel import state as parallel_state
 from tests.distributed import free_port
 from tests.gpt_run import ROOT
+from tools.checkpoint_util import main as checkpoint_util
 from tools.generate import continuation
 
 TEXTS = ["def foo(self):\n    return", "import", "Return the number of items in the list."]
@@ -213,8 +215,21 @@ def test_generate_tool_at_tp2_matches_tp1(wide_gpt, wide, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
 
-def test_generate_tool_prints_the_continuation(wide_gpt, wide):
-    proc = _tool("--load", wide_gpt["ckpt"], "--prompt", TEXTS[1], "--max-new-tokens", "5")
+def load_forms(save_dir: str, tmp_path) -> dict[str, str]:
+    """What --load accepts: the run's save directory, one iter_* directory of it, and what
+    tools/checkpoint_util.py --merge --weights-only wrote from it."""
+    merged = str(tmp_path / "merged")
+    assert (
+        checkpoint_util(["--input", save_dir, "--output", merged, "--merge", "--weights-only"]) == 0
+    )
+    (iter_dir,) = sorted(glob.glob(os.path.join(save_dir, "iter_*")))
+    return {"save dir": save_dir, "iter dir": iter_dir, "merged": merged}
+
+
+@pytest.mark.parametrize("form", ["save dir", "iter dir", "merged"])
+def test_generate_tool_prints_the_continuation(form, wide_gpt, wide, tmp_path):
+    load = load_forms(wide_gpt["ckpt"], tmp_path)[form]
+    proc = _tool("--load", load, "--prompt", TEXTS[1], "--max-new-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     prompt = wide.tokenizer.encode(TEXTS[1])
     (gen,) = generate(wide.model, [prompt], 5, wide.tokenizer.eod)
@@ -223,14 +238,23 @@ def test_generate_tool_prints_the_continuation(wide_gpt, wide):
     assert proc.stderr.strip() == f"stop: {gen.stop} after {len(gen.tokens)} tokens"
 
 
-@pytest.mark.parametrize("case", ["no checkpoint", "prompt too long"])
+MISTAKES = {
+    "no checkpoint": "no such directory",
+    # The run's own directory: its logs, and its save directory ckpt/.
+    "run directory": "holds no checkpoint (it holds cache/, ckpt/, metrics.jsonl, tb/; its ckpt/",
+    "prompt too long": "position table",
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
 def test_generate_tool_mistakes_are_one_line(case, wide_gpt, tmp_path):
-    load = str(tmp_path / "nowhere") if case == "no checkpoint" else wide_gpt["ckpt"]
-    proc = _tool("--load", load, "--prompt", "x " * 100)
+    run_dir = os.path.dirname(wide_gpt["ckpt"])
+    load = {"no checkpoint": str(tmp_path / "nowhere"), "run directory": run_dir}
+    proc = _tool("--load", load.get(case, wide_gpt["ckpt"]), "--prompt", "x " * 100)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert ("no such directory" if case == "no checkpoint" else "position table") in lines[0]
+    assert MISTAKES[case] in lines[0]
 
 
 def test_generation_benchmark_runs(wide_gpt):

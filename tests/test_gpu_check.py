@@ -57,3 +57,21 @@ def test_dry_run_writes_every_step(tmp_path):
     assert sdpa["backends"]["gpt_causal"]["MATH"] == "ok"
     assert sdpa["backends"]["bert_padding_mask"]["MATH"] == "ok"
     assert all(any("scaled_dot_product" in k for k in ran) for ran in sdpa["ran"].values())
+
+
+def test_a_missing_package_is_one_line_before_any_step(tmp_path):
+    """An interpreter without pytest (here: ours without its site-packages) is named in one
+    line with the install command, exit 2, and no step runs (no log, no JSON)."""
+    python = tmp_path / "python-bare"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(python)}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("gpu_check: pytest, ") and f"not installed for {sys.executable};" in line
+    assert line.endswith(f"install -r {ROOT / 'requirements-dev.txt'}")
+    assert not (tmp_path / "out").exists()

@@ -10,21 +10,35 @@ Weights are drawn with std 0.1 (not 0.02) so that a mapping mistake moves logits
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from megatron.interop.export import export_hf
 from megatron.interop.importer import import_hf
 from megatron.interop.verify import TOLERANCE, sample_inputs
 from tests.distributed import run_distributed
-from tests.gpt_run import _tool, read_metrics, run_pretrain
-from tests.test_export_hf import load_ours, logit_difference, run_tool
+from tests.gpt_run import _tool, read_metrics
+from tests.test_export_hf import (
+    assert_verify_refused,
+    load_ours,
+    logit_difference,
+    run_tool,
+    run_without_transformers,
+)
 from tests.test_pretrain_bert import VOCAB_FILE, write_corpus
+from tools.import_hf import main as import_main
 
 transformers = pytest.importorskip("transformers")
 GPT2_VOCAB = 50257
@@ -64,7 +78,8 @@ def random_model(cls, config) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory) -> dict[str, Path]:
     """A random GPT2LMHeadModel (real vocabulary size, tiny otherwise), its tokenizer and a
-    corpus preprocessed with that tokenizer; imported at TP=2."""
+    corpus preprocessed with that tokenizer; imported at TP=2 by tools/import_hf.py, whose
+    printed commands are under "hint"."""
     root = tmp_path_factory.mktemp("gpt2")
     hf_dir = root / "hf"
     config = transformers.GPT2Config(
@@ -76,7 +91,15 @@ def gpt2(tmp_path_factory) -> dict[str, Path]:
     write_corpus(root / "corpus.jsonl", num_docs=200)
     word_level_tokenizer(root / "corpus.jsonl", hf_dir / "tokenizer.json")
     ours = root / "ours"
-    import_hf(str(hf_dir), str(ours), 2)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert (
+            import_main(
+                ["--input", str(hf_dir), "--output", str(ours), "--tensor-parallel-size", "2"]
+            )
+            == 0
+        )
+    hint = [line.strip() for line in printed.getvalue().splitlines() if line.startswith("  ")]
     _tool(
         "tools/preprocess_data.py",
         "--input", str(root / "corpus.jsonl"),
@@ -86,7 +109,8 @@ def gpt2(tmp_path_factory) -> dict[str, Path]:
         "--append-eod",
         "--workers", "1",
     )  # fmt: skip
-    return {"root": root, "hf": hf_dir, "ours": ours, "data": root / "corpus_text_document"}
+    data = root / "corpus_text_document"
+    return {"root": root, "hf": hf_dir, "ours": ours, "data": data, "hint": hint}
 
 
 def _tp_logits(save_dir: str, ids: torch.Tensor) -> torch.Tensor:
@@ -115,28 +139,59 @@ def test_gpt2_import_at_tp2_matches_hf(gpt2):
     assert (gpt2["ours"] / "latest").read_text() == "0\n"
 
 
+def run_printed(command: str, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A command import_hf.py printed, as printed but for its PREFIX (and ``extra`` after it);
+    python and torchrun are this interpreter's."""
+    argv = shlex.split(command.replace("[PREFIX]", f"[{data}]"))
+    launch = {
+        "python": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }
+    return subprocess.run(
+        [*launch[argv[0]], *argv[1:], *extra],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 @pytest.mark.slow
-def test_gpt2_import_trains_through_pretrain_gpt(gpt2):
-    run = gpt2["root"] / "finetune"
-    overrides = [
-        f"data.paths=[{gpt2['data']}]",
-        f"data.cache_dir={run / 'cache'}",
-        "data.num_workers=0",
-        "model.seq_length=32",
-        "training.micro_batch_size=2",
-        "training.global_batch_size=4",
-        "training.train_iters=5",
-        "training.eval_iters=0",
-        "optimizer.lr_warmup_iters=1",
-        "logging.log_interval=1",
-        f"logging.metrics_file={run / 'metrics.jsonl'}",
-        "checkpoint.save=null",
-    ]
-    config = str(gpt2["ours"] / "config.yaml")
-    proc = run_pretrain("pretrain_gpt.py", config, overrides, nproc=2)
-    assert "fine-tuning the weights of" in proc.stdout + proc.stderr
-    losses = [e["lm_loss"] for e in read_metrics(run / "metrics.jsonl")]
-    assert len(losses) == 5 and all(0 < x < 20 for x in losses)
+def test_the_printed_commands_continue_pretraining(gpt2):
+    """The config pins no TP size (the checkpoint, saved at TP=2, reshards on load), starts from
+    the import's weights without warmup, and saves apart from it. Its first command (one
+    process) fine-tunes the import for 3 iterations, its second (torchrun at TP=2) resumes that
+    fine-tune in full up to 5; the import is untouched."""
+    ours = gpt2["ours"]
+    config = yaml.safe_load((ours / "config.yaml").read_text())
+    assert config["parallel"]["tensor_parallel_size"] == 1
+    assert config["optimizer"]["lr_warmup_iters"] == 0
+    assert config["checkpoint"] | {"save": None} == {
+        "load": str(ours),
+        "finetune": True,
+        "save": None,
+        "save_interval": 500,
+    }
+    finetuned = Path(config["checkpoint"]["save"])
+    assert not finetuned.exists() and finetuned.parent == ours
+    before = {p.name: p.read_bytes() for p in (ours / "iter_0000000").iterdir()}
+    one, torchrun = gpt2["hint"]
+    assert torchrun.startswith("torchrun --standalone --nproc-per-node 2 ")
+    assert torchrun.endswith(" parallel.tensor_parallel_size=2")
+    for command, iters, said in (
+        (one, 3, "fine-tuning the weights of"),
+        (torchrun, 5, "resumed from"),
+    ):
+        metrics = gpt2["root"] / f"metrics_{iters}.jsonl"
+        extra = [f"training.train_iters={iters}", f"logging.metrics_file={metrics}"]
+        proc = run_printed(command, gpt2["data"], *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert said in proc.stdout + proc.stderr
+        assert (finetuned / "latest").read_text().strip() == str(iters)
+        logged = read_metrics(metrics)
+        assert logged[-1]["iteration"] == iters and all(0 < e["lm_loss"] < 20 for e in logged)
+    assert {p.name: p.read_bytes() for p in (ours / "iter_0000000").iterdir()} == before
+    assert (ours / "latest").read_text() == "0\n"
 
 
 def test_export_of_import_gives_the_same_tensors(gpt2, tmp_path):
@@ -214,3 +269,11 @@ def test_cli_verifies_and_refuses_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert expected in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_verify_without_transformers_is_refused_before_writing(tmp_path):
+    hf_dir, out = _bert(tmp_path, "BertForPreTraining", 2), tmp_path / "ours"
+    proc = run_without_transformers(
+        tmp_path, "tools/import_hf.py", "--input", str(hf_dir), "--output", str(out), "--verify"
+    )
+    assert_verify_refused(proc, out)

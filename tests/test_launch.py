@@ -273,8 +273,11 @@ def test_first_slurm_host(scontrol, tmp_path, monkeypatch):
 
 
 SINGLE_NODE = ROOT / "scripts" / "run_single_node.sh"
-# Stands in for python: records the launcher's command line, runs nothing.
-RECORD = '#!/bin/bash\nprintf \'%s\\0\' "$@" > "$RECORD_TO"\n'
+# Stands in for python: passes the preflight, records the launcher's command line, runs nothing.
+RECORD = r"""#!/bin/bash
+if [[ $2 == --preflight ]]; then exit 0; fi
+printf '%s\0' "$@" > "$RECORD_TO"
+"""
 
 
 def _single_node(tmp_path: Path, gpus: int | None, visible: str | None) -> tuple[str, list[str]]:

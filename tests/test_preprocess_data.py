@@ -240,7 +240,7 @@ def _no_outputs(tmp_path, prefix="out") -> bool:
 def test_bad_line_stops_with_file_and_line(tmp_path, small_chunks, capsys, kind):
     line, reason = BAD_LINES[kind]
     path = _input_with_bad_line(tmp_path, line, at=37)
-    assert _run(path, tmp_path / "out", "--append-eod") == 1
+    assert _run(path, tmp_path / "out", "--append-eod") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{path}:37: {reason}") and "--skip-bad-lines" in err
     assert "\n" not in err
@@ -250,7 +250,7 @@ def test_bad_line_stops_with_file_and_line(tmp_path, small_chunks, capsys, kind)
 @pytest.mark.slow
 def test_late_bad_line_with_workers_leaves_nothing(tmp_path, small_chunks, capsys):
     path = _input_with_bad_line(tmp_path, BAD_LINES["malformed"][0], at=len(DOCS))
-    assert _run(path, tmp_path / "out", "--workers", "2") == 1
+    assert _run(path, tmp_path / "out", "--workers", "2") == 2
     assert capsys.readouterr().err.startswith(f"{path}:{len(DOCS)}: malformed JSON")
     assert _no_outputs(tmp_path)
 
@@ -307,7 +307,7 @@ def test_missing_tokenizer_file(tmp_path, capsys):
                 "x",
             ]
         )
-        == 1
+        == 2
     )
     assert "tokenizer.vocab_file=" in capsys.readouterr().err
     assert (
@@ -320,7 +320,7 @@ def test_missing_tokenizer_file(tmp_path, capsys):
                 *GPT2_FLAGS,
             ]
         )
-        == 1
+        == 2
     )
     assert "no such file" in capsys.readouterr().err
     assert _no_outputs(tmp_path)
@@ -414,13 +414,13 @@ def test_merge_equals_preprocessing_the_concatenation(tmp_path, capsys):
     sidecars = [json.loads(files.pop(".json")) for files in [*merged, whole]]
     assert merged[0] == merged[1] == whole
     assert sidecars[0] == sidecars[1] == {**sidecars[2], "tool": "tools/merge_datasets.py"}
-    assert merge_main(["--input", parts[0], "--output-prefix", parts[0]]) == 1
+    assert merge_main(["--input", parts[0], "--output-prefix", parts[0]]) == 2
     assert "also an input" in capsys.readouterr().err
 
 
 def test_sample_corpus_is_deterministic_jsonl(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    count, size = write_corpus(str(a), size_mb=0.05)
+    count, size, _ = write_corpus(str(a), size_mb=0.05)
     write_corpus(str(b), size_mb=0.05)
     assert a.read_bytes() == b.read_bytes()
     assert 0 < size <= 50_000 and size == a.stat().st_size

@@ -151,7 +151,7 @@ def test_parser_takes_every_megatron_flag():
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_flags_that_cannot_apply_are_refused_in_one_line(tmp_path, capsys, flag):
     path = _write_jsonl(tmp_path / "in.jsonl", DOCS[:3])
-    assert _run(path, tmp_path / "out", flag, *REFUSED[flag]) == 1
+    assert _run(path, tmp_path / "out", flag, *REFUSED[flag]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and flag in err, err
     assert _no_outputs(tmp_path)
@@ -183,7 +183,7 @@ def test_null_tokenizer_names_a_bad_line(tmp_path, capsys):
     path = tmp_path / "ids.jsonl"
     path.write_text('{"text": "1 2 3"}\n{"text": "4 five"}\n', encoding="utf-8")
     argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out")]
-    assert main([*argv, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]) == 1
+    assert main([*argv, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"{path}:2: not an integer id: 'five'") and "\n" not in err
 
@@ -214,7 +214,7 @@ def test_sidecar_and_merge_refusing_a_mix(tmp_path, capsys):
     assert main(["--input", a, "--output-prefix", str(tmp_path / "parts" / "sp"), *sp]) == 0
     parts = [str(tmp_path / "parts" / f"{x}_text_document") for x in ("gpt2", "sp")]
     capsys.readouterr()
-    assert merge_main(["--input", *parts, "--output-prefix", str(tmp_path / "m")]) == 1
+    assert merge_main(["--input", *parts, "--output-prefix", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err.strip()
     assert "made with sentencepiece (vocab 1000" in err and "merge only datasets" in err
     assert "\n" not in err and not glob.glob(str(tmp_path / "m*"))

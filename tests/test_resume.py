@@ -249,4 +249,10 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_a_restart_resum
     assert [e["iteration"] for e in lines] == [3, 3, 3, 3, 6]
     assert all(e == lines[0] for e in lines[:4])
     assert find_latest(str(ckpt)) == 6
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000006", "latest"]  # keep_last 2
+    listed = sorted(os.listdir(ckpt))
+    assert listed == [
+        "iter_0000004",
+        "iter_0000006",
+        "latest",
+        "resolved_config.yaml",
+    ]  # keep_last 2

@@ -1,5 +1,6 @@
 """The launch scripts' commands under the fake SLURM of tests/fake_slurm.py: what srun, torchrun
-and the one-task-per-GPU launch are given, resume, errors, and the single-node script.
+and the one-task-per-GPU launch are given, resume, errors (each one line and exit 2, nothing
+started), the sbatch files' --help and --dry outside a job, and the single-node script.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from tests.fake_slurm import (
     RECORD_PYTHON,
     ROOT,
     SINGLE,
+    TRACE_PYTHON,
     finish_job,
     read_args,
     run_script,
+    small_inputs,
     wait_for,
 )
+
+BERT_CONFIG = "configs/bert_tiny.yaml"
 
 
 def _sbatch_options(script: Path) -> dict[str, str]:
@@ -52,7 +57,7 @@ def test_sbatch_options(script, name):
 
 
 def _torchrun_args(srun_args: list[str]) -> list[str]:
-    i = srun_args.index("torch.distributed.run")
+    i = srun_args.index("megatron.launch.torchrun")
     assert srun_args[i - 2 : i] == [sys.executable, "-m"]
     return srun_args[i + 1 :]
 
@@ -68,9 +73,8 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
     env, log = fake
     save = tmp_path / "ckpt"
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"  # the user's choice wins
-    result = run_script(
-        GPT, env, tmp_path, CONFIG, "training.train_iters=5", f"checkpoint.save={save}"
-    )
+    inputs = small_inputs(tmp_path)
+    result = run_script(GPT, env, tmp_path, CONFIG, *inputs, f"checkpoint.save={save}")
     assert result.returncode == 0, result.stderr
     args = read_args(log / "srun.args")
     _step_name(args, "pretrain_gpt.py")
@@ -85,8 +89,9 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
         "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=node07:{PORT}", "--rdzv-id=4242",
         "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
-        "pretrain_gpt.py", "--config", CONFIG, "training.train_iters=5", f"checkpoint.save={save}",
+        "pretrain_gpt.py", "--config", CONFIG, *inputs, f"checkpoint.save={save}",
     ]  # fmt: skip
+    assert "preflight ok: configs/gpt_tiny.yaml at world size 8" in result.stdout
     parsed = get_args_parser().parse_args(launcher)  # torchrun itself accepts the line
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend) == ("2", "4", "c10d")
     assert parsed.training_script == "pretrain_gpt.py"
@@ -108,7 +113,9 @@ def test_resume_from_the_save_directory(fake, tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     (save / "latest").write_text("iter_0000100\n")
-    result = run_script(GPT, env, tmp_path, CONFIG, f"checkpoint.save={save}")
+    result = run_script(
+        GPT, env, tmp_path, CONFIG, *small_inputs(tmp_path), f"checkpoint.save={save}"
+    )
     assert result.returncode == 0, result.stderr
     assert f"== resuming from {save}" in result.stdout
     assert read_args(log / "srun.args")[-2:] == [
@@ -122,15 +129,17 @@ def test_srun_one_task_per_gpu(fake, tmp_path):
     env, log = fake
     del env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
     env.update(LAUNCHER="srun", SLURM_SUBMIT_DIR=str(tmp_path))  # where logs/ goes
-    for name in ("megatron", "configs", "scripts"):
+    for name in ("megatron", "configs", "scripts", "pretrain_gpt.py"):
         (tmp_path / name).symlink_to(ROOT / name)
-    result = run_script(GPT, env, tmp_path, CONFIG, NO_SAVE)
+    inputs = small_inputs(tmp_path)
+    result = run_script(GPT, env, tmp_path, CONFIG, *inputs, NO_SAVE)
     assert result.returncode == 0, result.stderr
     args = read_args(log / "srun.args")
     _step_name(args, "pretrain_gpt.py")
     assert args[1:] == [
         "--nodes=2", "--kill-on-bad-exit=1", "--ntasks=8", "--ntasks-per-node=4",
-        "--cpus-per-task=8", sys.executable, "pretrain_gpt.py", "--config", CONFIG, NO_SAVE,
+        "--cpus-per-task=8", sys.executable, "pretrain_gpt.py", "--config", CONFIG, *inputs,
+        NO_SAVE,
     ]  # fmt: skip
     step_env = dict(kv.split("=", 1) for kv in (log / "srun.env").read_text().split("\0") if kv)
     assert "RANK" not in step_env and step_env["MASTER_ADDR"] == "node07"
@@ -148,10 +157,12 @@ def test_srun_one_task_per_gpu(fake, tmp_path):
 
 def test_bert_uses_its_entrypoint(fake, tmp_path):
     env, log = fake
-    result = run_script(BERT, env, tmp_path, CONFIG, NO_SAVE)
+    inputs = small_inputs(tmp_path, "bert")
+    result = run_script(BERT, env, tmp_path, BERT_CONFIG, *inputs, NO_SAVE)
     assert result.returncode == 0, result.stderr
     launcher = _torchrun_args(read_args(log / "srun.args"))
-    assert launcher[-4:] == ["pretrain_bert.py", "--config", CONFIG, NO_SAVE]
+    train = ["pretrain_bert.py", "--config", BERT_CONFIG, *inputs, NO_SAVE]
+    assert launcher[-len(train) :] == train
 
 
 def test_spool_copy_finds_the_shared_launch(fake, tmp_path):
@@ -159,24 +170,102 @@ def test_spool_copy_finds_the_shared_launch(fake, tmp_path):
     env, log = fake
     spool = tmp_path / "spool"
     spool.mkdir()
-    for script, entrypoint in ((GPT, "pretrain_gpt.py"), (BERT, "pretrain_bert.py")):
+    runs = (
+        (GPT, "pretrain_gpt.py", CONFIG, "gpt"),
+        (BERT, "pretrain_bert.py", BERT_CONFIG, "bert"),
+    )
+    for script, entrypoint, config, model in runs:
         copy = spool / "slurm_script"
         copy.write_text(script.read_text())
-        result = run_script(copy, env, tmp_path, CONFIG, NO_SAVE)
+        inputs = small_inputs(tmp_path, model)
+        result = run_script(copy, env, tmp_path, config, *inputs, NO_SAVE)
         assert result.returncode == 0, result.stderr
         launcher = _torchrun_args(read_args(log / "srun.args"))
-        assert launcher[-4:] == [entrypoint, "--config", CONFIG, NO_SAVE]
+        train = [entrypoint, "--config", config, *inputs, NO_SAVE]
+        assert launcher[-len(train) :] == train
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    """The run's only stderr line, with exit 2."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
 
 
 def test_errors_stop_before_srun(fake, tmp_path):
+    """A mistake in the config (its loader), the world size or the files (the entrypoint's
+    preflight, on the batch host) is one line and exit 2; srun is never called."""
     env, log = fake
     result = run_script(GPT, env, tmp_path)
     assert result.returncode == 2 and "usage:" in result.stderr
-    result = run_script(GPT, env, tmp_path, CONFIG, "training.bogus=1")
-    assert result.returncode != 0 and "unknown key training.bogus" in result.stderr
-    result = run_script(GPT, {**env, "LAUNCHER": "mpirun"}, tmp_path, CONFIG)
-    assert result.returncode == 2 and "LAUNCHER=mpirun is unknown" in result.stderr
+    assert "unknown key training.bogus" in _one_line(
+        run_script(GPT, env, tmp_path, CONFIG, "training.bogus=1")
+    )
+    assert "LAUNCHER=mpirun is unknown" in _one_line(
+        run_script(GPT, {**env, "LAUNCHER": "mpirun"}, tmp_path, CONFIG)
+    )
+    inputs = small_inputs(tmp_path)
+    assert _one_line(run_script(GPT, env, tmp_path, CONFIG, *inputs, "optimizer.lr=-1")) == (
+        "error: optimizer.lr=-1.0 must be positive; fix the value"
+    )
+    missing = run_script(GPT, env, tmp_path, CONFIG, *inputs, "data.paths=[nope/x]")
+    assert "nope/x" in _one_line(missing)
+    # 2 nodes x 4 GPUs: world 8, which TP=3 does not divide
+    assert "tensor_parallel_size=3" in _one_line(
+        run_script(GPT, env, tmp_path, CONFIG, *inputs, "parallel.tensor_parallel_size=3")
+    )
     assert not (log / "srun.args").exists()
+
+
+def _outside_slurm(env: dict) -> dict:
+    """The fake job's environment without the job: a login node (run from the repository root),
+    the stubs still on PATH."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
+@pytest.mark.parametrize("script", [GPT, BERT], ids=lambda p: p.name)
+def test_outside_slurm_the_sbatch_file_explains_itself(fake, tmp_path, script):
+    env, log = fake
+    env = _outside_slurm(env)
+    result = run_script(script, env, ROOT, CONFIG)
+    assert result.returncode == 2, result.stderr
+    first, *usage = result.stderr.splitlines()
+    assert first == (
+        "error: not inside a SLURM job (no SLURM_JOB_ID): submit it with sbatch, or add --dry"
+    )
+    text = "\n".join(usage)
+    assert text.startswith("usage: sbatch") and "--dry" in text and "unbound" not in text
+    for variable in ("PYTHON", "GPUS_PER_NODE", "NNODES", "LAUNCHER", "REQUEUE"):
+        assert f"  {variable}" in text
+    helped = run_script(script, env, tmp_path, "--help")  # anywhere
+    assert helped.returncode == 0 and helped.stdout.strip() == text
+    assert not (log / "srun.args").exists()
+
+
+def test_dry_prints_the_command_and_runs_the_preflight(fake, tmp_path):
+    """Outside a job: a job of NNODES nodes, localhost the first, the preflight at its world
+    size, and nothing started; in a job, the job's own nodes and rendezvous endpoint."""
+    env, log = fake
+    inputs = small_inputs(tmp_path)
+    outside = {**_outside_slurm(env), "NNODES": "2", "GPUS_PER_NODE": "2"}
+    result = run_script(GPT, outside, ROOT, "--dry", CONFIG, *inputs, NO_SAVE)
+    assert result.returncode == 0, result.stderr
+    assert "preflight ok: configs/gpt_tiny.yaml at world size 4" in result.stdout
+    line = result.stdout.splitlines()[-1]
+    assert line.startswith("== srun --job-name=pretrain_gpt.py-") and "--nodes=2" in line
+    assert line.endswith(" ".join(["-m", "megatron.launch.torchrun", "--nnodes=2",
+        "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29500",
+        "--rdzv-id=JOBID", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
+        "pretrain_gpt.py", "--config", CONFIG, *inputs, NO_SAVE]))  # fmt: skip
+    bad = run_script(GPT, outside, ROOT, "--dry", CONFIG, *inputs, "optimizer.lr=-1")
+    assert _one_line(bad) == "error: optimizer.lr=-1.0 must be positive; fix the value"
+    in_job = run_script(GPT, env, tmp_path, "--dry", CONFIG, *inputs, NO_SAVE)
+    assert in_job.returncode == 0, in_job.stderr
+    assert "preflight ok: configs/gpt_tiny.yaml at world size 8" in in_job.stdout
+    assert f"--rdzv-endpoint=node07:{PORT} --rdzv-id=4242" in in_job.stdout.splitlines()[-1]
+    # No step, and not even the job's directory for NCCL dumps.
+    assert not (log / "srun.args").exists() and not (tmp_path / "nccl").exists()
 
 
 def test_single_node_command(fake, tmp_path):
@@ -190,14 +279,35 @@ def test_single_node_command(fake, tmp_path):
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert read_args(log / "preflight.args") == [
+        "pretrain_gpt.py", "--preflight", "--world-size", "2", "--config", CONFIG,
+        "training.train_iters=5",
+    ]  # fmt: skip
     assert read_args(log / "python.args") == [
-        "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        "-m", "megatron.launch.torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "--log-dir=logs/torchrun", "--tee=3", "--local-ranks-filter=0",
         "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
         "pretrain_gpt.py", "--config", CONFIG, "training.train_iters=5",
     ]  # fmt: skip
     result = subprocess.run(["bash", str(SINGLE)], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def test_single_node_mistake_is_one_line_before_torchrun(fake, tmp_path):
+    env, log = fake
+    python = tmp_path / "bin" / "python-trace"
+    python.write_text(TRACE_PYTHON)
+    python.chmod(0o755)
+    env = {**env, "PYTHON": str(python), "NPROC": "2"}
+    inputs = small_inputs(tmp_path)
+    for bad, says in (("optimizer.lr=-1", "optimizer.lr=-1.0"), ("data.paths=[nope/x]", "nope/x")):
+        result = subprocess.run(
+            ["bash", str(SINGLE), CONFIG, *inputs, bad],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert says in _one_line(result)
+    calls = (log / "python.calls").read_text().splitlines()
+    assert len(calls) == 2 and all(" --preflight " in call for call in calls), calls
 
 
 @pytest.mark.slow

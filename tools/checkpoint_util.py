@@ -40,10 +40,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint import find_latest, save_offline  # noqa: E402
+from megatron.checkpoint import (
+    find_checkpoint,  # noqa: E402
+    save_offline,  # noqa: E402
+)
 from megatron.checkpoint.format import (  # noqa: E402
-    META,
-    checkpoint_name,
     pp_size_of,
     read_meta,
     shard_file,
@@ -74,22 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights-only", action="store_true", help="conversion: drop the optimizer state"
     )
     return p
-
-
-def resolve_input(path: str, iteration: int | None) -> str:
-    """The checkpoint directory ``--input`` (and ``--iteration``) name."""
-    if os.path.isfile(os.path.join(path, META)):
-        return path
-    if iteration is None:
-        iteration = find_latest(path)
-        if iteration is None:
-            raise ConfigError(f"--input {path}: no meta.json and no latest file; name a checkpoint")
-    ckpt = os.path.join(path, checkpoint_name(iteration))
-    if not os.path.isdir(ckpt):
-        raise ConfigError(
-            f"--input {path}: {checkpoint_name(iteration)} not found; fix --iteration"
-        )
-    return ckpt
 
 
 def _numel(info: dict) -> int:
@@ -252,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.weights_only and target is None:
         parser.error("--weights-only needs --merge or --target-tp N (and --output)")
     try:
-        src = resolve_input(args.input, args.iteration)
+        src, _ = find_checkpoint(args.input, args.iteration, "--input")
         if args.summary or args.tensors:
             print(summary(src, args.tensors))
         if target is not None:

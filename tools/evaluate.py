@@ -50,6 +50,7 @@ from megatron.inference.tasks import (  # noqa: E402
     token_stream,
     word_count,
 )
+from megatron.launch.torchrun import exit_with  # noqa: E402
 from megatron.parallel import state as parallel_state  # noqa: E402
 from megatron.parallel.launcher import launcher_env  # noqa: E402
 
@@ -59,7 +60,9 @@ TASKS = ("text", "wikitext", "lambada", "lm")
 def build_parser() -> argparse.ArgumentParser:
     """The command line, tokenizer flags included."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="save directory or one iter_* directory")
+    p.add_argument(
+        "--load", required=True, help="a save directory, one iter_* directory, or a merged one"
+    )
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--input", help="text file (text, wikitext) or JSONL file (lambada)")
     p.add_argument("--seq-length", type=int, help="window length (default: the model's)")
@@ -215,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args)
     except ConfigError as err:
-        if rank0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_with(err)
     finally:
         parallel_state.shutdown()
     if rank0:

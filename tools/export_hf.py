@@ -17,22 +17,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.checkpoint import find_checkpoint  # noqa: E402
 from megatron.config.dtypes import DTYPES  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.inference.loading import (  # noqa: E402
-    add_tokenizer_flags,
-    newest_checkpoint,
-    tokenizer_overrides,
-)
+from megatron.inference.loading import add_tokenizer_flags, tokenizer_overrides  # noqa: E402
 from megatron.interop.export import export_hf  # noqa: E402
 from megatron.interop.hf_tokenizer import tokenizer_note  # noqa: E402
-from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
+from megatron.interop.verify import (  # noqa: E402
+    TOLERANCE,
+    check_transformers,
+    describe,
+    max_logit_difference,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="a save directory or one iter_* directory")
+    p.add_argument(
+        "--load", required=True, help="a save directory, one iter_* directory, or a merged one"
+    )
     p.add_argument("--iteration", type=int, help="export this checkpoint, not the newest")
     p.add_argument("--output", required=True, help="the HF model directory to create")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' dtype")
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     user mistake."""
     args = build_parser().parse_args(argv)
     try:
+        if args.verify:
+            check_transformers()
         out = export_hf(
             args.load, args.output, args.iteration, args.dtype, tokenizer_overrides(args)
         )
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if note:
             print(note)
         if args.verify:
-            ckpt, _ = newest_checkpoint(args.load, args.iteration)
+            ckpt, _ = find_checkpoint(args.load, args.iteration)
             diff = max_logit_difference(ckpt, out, args.dtype)
             print(describe(diff))
             return 0 if diff <= TOLERANCE else 1

@@ -35,14 +35,16 @@ from megatron.inference.loading import (  # noqa: E402
     tokenizer_overrides,
 )
 from megatron.inference.sampling import SamplingParams  # noqa: E402
+from megatron.launch.torchrun import exit_with  # noqa: E402
 from megatron.parallel import state as parallel_state  # noqa: E402
-from megatron.parallel.launcher import launcher_env  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line, tokenizer flags included."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--load", required=True, help="save directory or one iter_* directory")
+    parser.add_argument(
+        "--load", required=True, help="a save directory, one iter_* directory, or a merged one"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt; its continuation goes to stdout")
     source.add_argument("--input", help='JSONL file of {"prompt": ...} objects')
@@ -148,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ConfigError as err:
-        if int(launcher_env()["RANK"]) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_with(err)
     finally:
         parallel_state.shutdown()
 

@@ -2,12 +2,16 @@
 our checkpoint at any TP size.
 
     python tools/import_hf.py --input hf/gpt2 --output runs/gpt2 --tensor-parallel-size 2 --verify
-    python pretrain_gpt.py --config runs/gpt2/config.yaml data.paths=[data/corpus_text_document]
+    python pretrain_gpt.py --config runs/gpt2/config.yaml data.paths=[data/gpt2_text_document]
+    torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config runs/gpt2/config.yaml \\
+        data.paths=[data/gpt2_text_document] parallel.tensor_parallel_size=2
 
 The input needs config.json, model.safetensors (never pytorch_model.bin: nothing is unpickled)
-and its tokenizer files. The output holds the checkpoint (weights only: fine-tune it), the
-tokenizer and a config.yaml our entrypoints accept. ``--verify`` runs both models on fixed ids
-and fails when their logits differ by over 1e-4.
+and its tokenizer files. The output holds the checkpoint (weights only, at the TP size asked
+for), the tokenizer and a config.yaml our entrypoints accept at any world size (TP=1: the
+checkpoint reshards on load), which continues pretraining the import into its finetuned/.
+``--verify`` (it needs transformers) runs both models on fixed ids and fails when their logits
+differ by over 1e-4; it is checked for before anything is written.
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.errors import ConfigError  # noqa: E402
-from megatron.interop.importer import finetune_command, import_hf  # noqa: E402
-from megatron.interop.verify import TOLERANCE, describe, max_logit_difference  # noqa: E402
+from megatron.interop.importer import finetune_commands, import_hf  # noqa: E402
+from megatron.interop.verify import (  # noqa: E402
+    TOLERANCE,
+    check_transformers,
+    describe,
+    max_logit_difference,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     user mistake."""
     args = build_parser().parse_args(argv)
     try:
+        if args.verify:
+            check_transformers()
         ckpt = import_hf(args.input, args.output, args.tensor_parallel_size)
-        print(f"wrote {ckpt} (TP={args.tensor_parallel_size}); fine-tune it with:")
-        print(f"  {finetune_command(args.output)}")
+        print(
+            f"wrote {ckpt} (TP={args.tensor_parallel_size}, resharded on load to the run's TP "
+            "size); continue pretraining it on your data (PREFIX: a preprocessed prefix) with:"
+        )
+        for command in finetune_commands(args.output):
+            print(f"  {command}")
         if args.verify:
             diff = max_logit_difference(ckpt, args.input)
             print(describe(diff))

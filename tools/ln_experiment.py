@@ -37,6 +37,8 @@ from tools.preprocess_data import main as preprocess  # noqa: E402
 ARMS = ("pre", "post")
 LOSSES = ("lm_loss", "sop_loss")
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# Iterations between progress lines (and the first): ~5 s apart on 2 cores at the default shape.
+PROGRESS_EVERY = 10
 
 
 def train_wordpiece(corpus: str, path: str, vocab_size: int) -> None:
@@ -75,10 +77,13 @@ def prepare_data(data_dir: str, size_mb: float, vocab_size: int) -> tuple[str, s
     vocab = os.path.join(data_dir, "vocab.txt")
     prefix = os.path.join(data_dir, "bert")
     if not os.path.exists(corpus):
+        print(f"data: writing a {size_mb:g} MB sample corpus to {corpus}", flush=True)
         write_corpus(corpus, size_mb)
     if not os.path.exists(vocab):
+        print(f"data: training a {vocab_size}-piece WordPiece vocabulary", flush=True)
         train_wordpiece(corpus, vocab, vocab_size)
     if not os.path.exists(f"{prefix}_text_sentence.idx"):
+        print("data: splitting the corpus into sentences and tokenizing it", flush=True)
         argv = ["--input", corpus, "--output-prefix", prefix, "--split-sentences",
                 "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab]  # fmt: skip
         if preprocess(argv) != 0:
@@ -121,8 +126,17 @@ def arm_overrides(args: argparse.Namespace, arm: str, vocab: str, data: str) -> 
     return [f"{k}={v}" for k, v in keys.items()]
 
 
+def _metrics(path: str) -> list[dict]:
+    """The complete lines of a metrics file (the last may still be being written)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f.read().split("\n")[:-1]]
+
+
 def run_arms(args: argparse.Namespace, vocab: str, data: str) -> dict[str, list[dict]]:
-    """Both arms at once, one process and one thread each; their training metrics lines."""
+    """Both arms at once, one process and one thread each; their training metrics lines. After
+    each arm's first iteration and every PROGRESS_EVERY, one line with its losses."""
     procs = {}
     for arm in ARMS:
         run = os.path.join(args.out, arm)
@@ -136,18 +150,25 @@ def run_arms(args: argparse.Namespace, vocab: str, data: str) -> dict[str, list[
         log = open(os.path.join(run, "log.txt"), "w")  # noqa: SIM115 (closed below)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs[arm] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        print(f"{arm}-LN: started, {args.iters} iterations; log {log.name}", flush=True)
+    shown = dict.fromkeys(ARMS, 0)  # metrics lines of each arm already looked at
+    while any(proc.poll() is None for proc, _ in procs.values()):
+        time.sleep(1)
+        for arm in ARMS:
+            lines = _metrics(os.path.join(args.out, arm, "metrics.jsonl"))
+            for e in lines[shown[arm] :]:
+                if "lm_loss" in e and (e["iteration"] % PROGRESS_EVERY == 0 or e["iteration"] == 1):
+                    losses = f"lm_loss {e['lm_loss']:.3f}, sop_loss {e['sop_loss']:.3f}"
+                    print(
+                        f"{arm}-LN: iteration {e['iteration']}/{args.iters}, {losses}", flush=True
+                    )
+            shown[arm] = len(lines)
     curves = {}
     for arm, (proc, log) in procs.items():
-        code = proc.wait()
         log.close()
-        metrics = os.path.join(args.out, arm, "metrics.jsonl")
-        lines = []
-        if os.path.exists(metrics):
-            with open(metrics, encoding="utf-8") as f:
-                lines = [json.loads(line) for line in f]
-        if code != 0:
-            print(f"{arm}-LN run exited with {code}; see {os.path.join(args.out, arm, 'log.txt')}")
-        curves[arm] = lines
+        if proc.returncode != 0:
+            print(f"{arm}-LN run exited with {proc.returncode}; see {log.name}")
+        curves[arm] = _metrics(os.path.join(args.out, arm, "metrics.jsonl"))
     return curves
 
 

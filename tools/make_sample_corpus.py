@@ -1,6 +1,6 @@
 """Write a JSONL corpus from this machine's Python standard library docstrings; no download.
 
-    python tools/make_sample_corpus.py --output data/corpus.jsonl --size-mb 8
+    python tools/make_sample_corpus.py --output data/corpus.jsonl --size-mb 4
 
 One document per module, class and function docstring and per block of comment lines, read from
 the library's source with ``ast`` (nothing is imported or executed), in sorted file order, so the
@@ -80,25 +80,28 @@ def iter_documents(min_chars: int = 40, root: str | None = None) -> Iterator[dic
         yield from documents(module, path, min_chars)
 
 
-def write_corpus(output: str, size_mb: float, min_chars: int = 40) -> tuple[int, int]:
-    """Write documents until ``size_mb`` MB (or the library runs out); return (docs, bytes)."""
+def write_corpus(output: str, size_mb: float, min_chars: int = 40) -> tuple[int, int, bool]:
+    """Write documents until ``size_mb`` MB or the library runs out; return (docs, bytes,
+    whether it ran out first)."""
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     limit = int(size_mb * 1e6)
     count = written = 0
+    ran_out = True
 
     def write(tmp: str) -> None:
-        nonlocal count, written
+        nonlocal count, written, ran_out
         with open(tmp, "wb") as f:
             for doc in iter_documents(min_chars):
                 line = (json.dumps(doc, ensure_ascii=False) + "\n").encode("utf-8")
                 if written + len(line) > limit:
+                    ran_out = False
                     break
                 f.write(line)
                 written += len(line)
                 count += 1
 
     write_atomic(output, write)
-    return count, written
+    return count, written, ran_out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="the JSONL file to write")
     p.add_argument("--size-mb", type=float, default=8.0, help="stop before this many MB")
     p.add_argument("--min-chars", type=int, default=40, help="skip shorter docstrings")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     args = p.parse_args(argv)
-    count, written = write_corpus(args.output, args.size_mb, args.min_chars)
+    if os.path.exists(args.output) and not args.overwrite:
+        print(
+            f"error: {args.output} exists; choose another --output or pass --overwrite",
+            file=sys.stderr,
+        )
+        return 2
+    count, written, ran_out = write_corpus(args.output, args.size_mb, args.min_chars)
     print(f"wrote {args.output}: {count:,} documents, {written / 1e6:.1f} MB")
+    if ran_out:  # the corpus is this Python's standard library and nothing else, by design
+        print(f"(the standard library holds no more than {written / 1e6:.1f} MB of documents)")
     return 0
 
 

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         merged = merge(prefixes, args.output_prefix, lambda note: print(note, file=sys.stderr))
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 1
+        return e.exit_code
     print(
         f"merged {len(prefixes)} datasets: {merged.num_documents:,} documents, {len(merged):,} "
         f"sequences, {merged.num_tokens:,} tokens into {data_path(args.output_prefix)} and "

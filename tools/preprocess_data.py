@@ -28,12 +28,14 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.atomic_file import free_bytes, mib, refusal  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetWriter  # noqa: E402
 from megatron.data.jsonl_encoder import ChunkResult, JsonlEncoder  # noqa: E402
 from megatron.data.preprocess_args import (  # noqa: E402
@@ -43,7 +45,7 @@ from megatron.data.preprocess_args import (  # noqa: E402
 )
 from megatron.data.sidecar import remove_sidecar, tokenizer_record, write_sidecar  # noqa: E402
 from megatron.data.tokenizers.factory import build_tokenizer  # noqa: E402
-from megatron.errors import ConfigError  # noqa: E402
+from megatron.errors import ConfigError, StorageError  # noqa: E402
 
 # Bytes of input per chunk of work: small enough to balance the workers, large enough that
 # the per-chunk costs (a task, a pickled result, a write) stay negligible.
@@ -69,6 +71,28 @@ def open_binary(path: str) -> BinaryIO:
     return open(path, "rb", buffering=1 << 20)
 
 
+# What reading a gzip stream that is cut short or damaged raises.
+_BAD_GZIP = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+def read_lines(f: BinaryIO, path: str) -> list[bytes]:
+    """The next chunk of whole lines of ``f`` (the file ``path``), about CHUNK_BYTES; a gzip
+    stream cut short or damaged is a ConfigError naming the file and its last whole line."""
+    try:
+        # readlines(hint) stops after the line that crosses the hint: one C loop per chunk
+        return f.readlines(CHUNK_BYTES)
+    except _BAD_GZIP:
+        # The chunk's lines read before the damage are lost: count them again, from the start.
+        good = 0
+        with gzip.open(path, "rb") as again, contextlib.suppress(*_BAD_GZIP):
+            for _ in again:
+                good += 1
+        raise ConfigError(
+            f"{path}: truncated or corrupt gzip stream after line {good}; re-download or "
+            "re-compress it"
+        ) from None
+
+
 def read_chunks(
     paths: list[str], max_lines: int | None = None
 ) -> Iterator[tuple[str, int, list[bytes]]]:
@@ -78,8 +102,7 @@ def read_chunks(
     for path in paths:
         with open_binary(path) as f:
             first = 1
-            # readlines(hint) stops after the line that crosses the hint: one C loop per chunk
-            while (left is None or left > 0) and (lines := f.readlines(CHUNK_BYTES)):
+            while (left is None or left > 0) and (lines := read_lines(f, path)):
                 if left is not None:
                     lines = lines[:left]
                     left -= len(lines)
@@ -170,12 +193,38 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
 
 
 def preprocess(args: argparse.Namespace, max_lines: int | None = None) -> Summary:
-    """Run the whole conversion; raises ConfigError on the first bad line unless skipping."""
+    """Run the whole conversion; raises ConfigError on the first bad line unless skipping, and
+    StorageError when the output's disk refuses a write (full, read-only), by when the writers
+    have removed their temporary files."""
     paths = expand_inputs(args.input)
     encoder = build_encoder(args)  # checks the tokenizer files before any work
+    summary = Summary(outputs=list(output_prefixes(args).values()))
+    try:
+        _convert(args, paths, encoder, summary, max_lines)
+    except OSError as e:
+        refused = refusal(e)
+        if refused is None or e.filename in paths:  # an unreadable input is not the output's
+            raise
+        reason, fix = refused
+        written = mib(summary.tokens * encoder.dtype.itemsize)
+        raise StorageError(
+            f"--output-prefix {args.output_prefix}: cannot write there ({reason}: {written} "
+            f"written, {mib(free_bytes(args.output_prefix))} free); no partial output is left; "
+            f"{fix} or give another --output-prefix"
+        ) from None
+    return summary
+
+
+def _convert(
+    args: argparse.Namespace,
+    paths: list[str],
+    encoder: JsonlEncoder,
+    summary: Summary,
+    max_lines: int | None,
+) -> None:
+    """Encode ``paths`` into the datasets and sidecars of ``args``, counting in ``summary``."""
     prefixes = output_prefixes(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    summary = Summary(outputs=list(prefixes.values()))
     start = time.perf_counter()
     chunks = read_chunks(paths, max_lines)
     with contextlib.ExitStack() as stack:
@@ -207,7 +256,6 @@ def preprocess(args: argparse.Namespace, max_lines: int | None = None) -> Summar
     for prefix in prefixes.values():
         write_sidecar(prefix, "tools/preprocess_data.py", record, level(args), args.append_eod)
     summary.seconds = time.perf_counter() - start
-    return summary
 
 
 def _record_bad(summary: Summary, path: str, bad: list[tuple[int, str]], skip: bool) -> None:
@@ -306,7 +354,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; a user mistake prints one line and returns 1."""
+    """Command-line entry point; a user mistake prints one line and returns 2 (4: the output's
+    disk refused a write)."""
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -318,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = preprocess(args)
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_summary(summary))

@@ -3,7 +3,8 @@
 The public face: ``Checkpointer`` (inline or in the background) and ``save_checkpoint`` save a
 ``TrainState``, ``load_checkpoint`` restores one from the newest intact checkpoint, ``save_offline``
 publishes a checkpoint made in one process (conversions, imports); ``find_latest``, ``iterations``,
-``candidates`` and ``checkpoint_dir`` say what a save directory holds. ``format`` names the files,
+``candidates`` and ``checkpoint_dir`` say what a save directory holds, ``find_checkpoint`` which
+checkpoint a ``--load`` path names. ``format`` names the files,
 ``save``/``async_save`` write them, ``load``, ``reshard``, ``stages`` and ``optim_shards`` read
 them back at any layout.
 """
@@ -12,6 +13,7 @@ from megatron.checkpoint.async_save import Checkpointer
 from megatron.checkpoint.load import (
     candidates,
     checkpoint_dir,
+    find_checkpoint,
     find_latest,
     iterations,
     load_checkpoint,
@@ -22,6 +24,7 @@ __all__ = [
     "Checkpointer",
     "candidates",
     "checkpoint_dir",
+    "find_checkpoint",
     "find_latest",
     "iterations",
     "load_checkpoint",

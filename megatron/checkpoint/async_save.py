@@ -10,7 +10,8 @@ checkpoints (``save.coordination_group``), which the loop never uses, and the ne
 save waits for it first, so two saves never interleave their collectives.
 
 An error in the background is raised by the next ``save`` or by ``wait`` (the loop calls it on
-every exit), on every rank: ``write_and_publish`` fails on all ranks alike.
+every exit), on every rank: ``write_and_publish`` fails on all ranks alike (a full or read-only
+disk as the same one-line StorageError, its temporary directory removed).
 """
 
 from __future__ import annotations

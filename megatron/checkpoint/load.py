@@ -2,7 +2,8 @@
 
 Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
 meta.json parses and whose files match their sha256 (each rank hashes a share) is used, with a
-warning for each one passed over. Tensors go through safetensors, the rest is JSON: nothing is
+warning for each one passed over. One checkpoint directory (``iter_*``) given instead of a save
+directory is that checkpoint alone. Tensors go through safetensors, the rest is JSON: nothing is
 ever unpickled.
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron.checkpoint.format import (
+    META,
     check_files,
     checkpoint_name,
     open_safetensors,
@@ -91,6 +93,61 @@ def checkpoint_dir(load_dir: str, iteration: int) -> str:
     return aside[-1] if aside and not os.path.isdir(path) else path
 
 
+def _is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is one checkpoint (an ``iter_*`` directory), not a save directory."""
+    return os.path.isfile(os.path.join(path, META))
+
+
+# What a tool's checkpoint flag accepts, for its errors.
+_ACCEPTED = (
+    "give a save directory (with latest or iter_*), one iter_* directory, or what "
+    "tools/checkpoint_util.py wrote"
+)
+
+
+def _contents(path: str) -> str:
+    """What a directory that holds no checkpoint holds instead, and the save directories in it."""
+    names = sorted(os.listdir(path))
+    if not names:
+        return "it is empty"
+    shown = [n + "/" if os.path.isdir(os.path.join(path, n)) else n for n in names[:6]]
+    text = "it holds " + ", ".join(shown) + (", ..." if len(names) > 6 else "")
+    inner = [n for n in names if os.path.isfile(os.path.join(path, n, LATEST))]
+    return text + (f"; its {inner[0]}/ is a save directory" if inner else "")
+
+
+def find_checkpoint(
+    path: str, iteration: int | None = None, flag: str = "--load"
+) -> tuple[str, dict[str, Any]]:
+    """(directory, meta) of the checkpoint a tool's ``flag`` names, read without a process group
+    or checksums: ``path`` itself when it is one checkpoint, else from the save directory ``path``
+    (a run's, or what tools/checkpoint_util.py wrote) ``iteration``'s or the newest whose
+    meta.json reads. ConfigError (one line naming ``flag``, what ``path`` holds and what is
+    accepted) for anything else."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: no such directory; {_ACCEPTED}")
+    if _is_checkpoint(path):
+        return path, read_meta(path)
+    if iteration is not None:
+        ckpt = checkpoint_dir(path, iteration)
+        if not os.path.isdir(ckpt):
+            have = iterations(path)
+            newest = f"the newest is {have[-1]}" if have else "it has none"
+            raise ConfigError(
+                f"{flag} {path}: no checkpoint of iteration {iteration} ({newest}); fix --iteration"
+            )
+        return ckpt, read_meta(ckpt)
+    if find_latest(path) is None and not iterations(path):
+        raise ConfigError(f"{flag} {path} holds no checkpoint ({_contents(path)}); {_ACCEPTED}")
+    problems = []
+    for ckpt in (checkpoint_dir(path, it) for it in candidates(path)):
+        try:
+            return ckpt, read_meta(ckpt)
+        except ConfigError as e:
+            problems.append(str(e))
+    raise ConfigError(f"{flag} {path}: no readable checkpoint ({problems[0]})")
+
+
 def _any_rank(flag: bool, state: ParallelState) -> bool:
     """True on every rank when ``flag`` is True on some rank (one tiny all-reduce)."""
     if state.world_size == 1:
@@ -127,20 +184,25 @@ def _on_every_rank(state: ParallelState, what: str, fn: Callable[[], _T]) -> _T:
 
 
 def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
-    """The newest intact checkpoint; every rank hashes a share of each candidate's files.
+    """The newest intact checkpoint of a save directory, or ``load_dir`` itself if it is one
+    checkpoint and intact; every rank hashes a share of each candidate's files.
 
     A missing file or an unreadable meta.json is seen alike by every rank, so when no candidate
     is intact the error names the newest one's problem (a sha256 mismatch only its hasher saw
     is in that rank's warning).
     """
-    its = _broadcast_ints(candidates(load_dir), state)
-    if state.rank == 0 and find_latest(load_dir) is None:
-        logger.warning(
-            "%s has no latest file; trying its iter_* directories, newest first", load_dir
-        )
+    if _is_checkpoint(load_dir):  # named on purpose: no older one to fall back on
+        paths = [load_dir]
+    else:
+        paths = [
+            checkpoint_dir(load_dir, it) for it in _broadcast_ints(candidates(load_dir), state)
+        ]
+        if state.rank == 0 and find_latest(load_dir) is None:
+            logger.warning(
+                "%s has no latest file; trying its iter_* directories, newest first", load_dir
+            )
     newest = None
-    for it in its:
-        path = checkpoint_dir(load_dir, it)
+    for path in paths:
         try:
             meta = read_meta(path)
             # Missing files every rank checks alike (reading nothing, so all agree on the line);
@@ -189,7 +251,8 @@ def _whole_model_keys(model: nn.Module, state: ParallelState) -> set[str]:
 def load_checkpoint(
     load_dir: str, train: TrainState, state: ParallelState, vocab_size: int, finetune: bool = False
 ) -> None:
-    """Load the newest intact checkpoint of ``load_dir`` into ``train`` (collective).
+    """Load the newest intact checkpoint of the save directory ``load_dir`` (or ``load_dir``
+    itself, one ``iter_*`` directory) into ``train`` (collective).
 
     Restores the model, and each of the optimizer (with its loss scaler), the LR schedule and
     the RNG tracker that ``train`` holds, and replaces ``train.progress`` with the saved one.

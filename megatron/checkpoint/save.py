@@ -27,7 +27,10 @@ training loop uses: rank 0 draws a nonce; each rank writes and fsyncs its files 
 ``iter_0000100.tmp-<nonce>/``, hashing the bytes as it writes them; rank 0 gathers the sums,
 writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only then replaces
 ``latest``; last it tells every rank how it went. A process killed at any point leaves
-``latest`` naming the previous complete checkpoint. Loading: megatron.checkpoint.load.
+``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank 0
+removes the temporary directory once every rank is done with it, and where storage refused a
+write (a full or read-only disk) every rank raises the same one-line StorageError. Loading:
+megatron.checkpoint.load.
 """
 
 from __future__ import annotations
@@ -43,14 +46,21 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save as serialize
 from torch import Tensor
 
-from megatron.atomic_file import fsync_path, write_contents, write_durable
+from megatron.atomic_file import (
+    free_bytes,
+    fsync_path,
+    mib,
+    refusal,
+    write_contents,
+    write_durable,
+)
 from megatron.checkpoint.format import (
     FORMAT_VERSION,
     META,
@@ -59,10 +69,11 @@ from megatron.checkpoint.format import (
     rng_file,
     shard_file,
 )
-from megatron.checkpoint.load import LATEST, iterations
+from megatron.checkpoint.load import LATEST, find_latest, iterations
 from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
 from megatron.config.schema import Config, to_dict
+from megatron.errors import StorageError
 from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer
 from megatron.parallel.state import ParallelState
 from megatron.training.train_state import TrainState
@@ -93,18 +104,28 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
     """Make the fully written, fsynced checkpoint in ``tmp`` the newest of ``save_dir``.
 
     ``meta`` (with ``files``: every file's sha256) goes to meta.json; the directory is renamed
-    into place and ``save_dir`` fsynced; only then is ``latest`` replaced. Last, checkpoints older
-    than the newest ``keep_last`` and leftovers of killed saves are removed. Returns the path.
+    into place and ``save_dir`` fsynced; only then is ``latest`` replaced (if that fails, the
+    directory goes back to ``tmp`` before the error is raised). Last, checkpoints older than the
+    newest ``keep_last`` and leftovers of killed saves are removed. Returns the path.
     """
     write_contents(os.path.join(tmp, META), json.dumps(meta, indent=1) + "\n")
     final = os.path.join(save_dir, checkpoint_name(meta["iteration"]))
+    aside = f"{final}.old-{tmp.rsplit('-', 1)[1]}"
     if os.path.exists(final):
         # Saving an iteration again (an exit right after resuming): the old copy steps aside,
         # so no reader ever sees a directory that is half one save and half the other.
-        os.rename(final, f"{final}.old-{tmp.rsplit('-', 1)[1]}")
+        os.rename(final, aside)
     os.rename(tmp, final)
-    fsync_path(save_dir)
-    write_contents(os.path.join(save_dir, LATEST), f"{meta['iteration']}\n")
+    try:
+        fsync_path(save_dir)
+        write_contents(os.path.join(save_dir, LATEST), f"{meta['iteration']}\n")
+    except OSError:
+        # ``latest`` could not move (a full disk): unpublish, so the newest iter_* stays the
+        # one it names. Renames need no space.
+        os.rename(final, tmp)
+        if os.path.exists(aside):
+            os.rename(aside, final)
+        raise
     for name in os.listdir(save_dir):
         if _LEFTOVER.fullmatch(name):
             path = os.path.join(save_dir, name)
@@ -250,12 +271,58 @@ def _to_rank0(value: Any, job: SaveJob, group: dist.ProcessGroup | None) -> list
     return out
 
 
+class _Report(NamedTuple):
+    """What a rank tells rank 0 once it has written: each file's sha256, its error (a repr) and,
+    when that was storage refusing the write, ``refusal``'s (reason, fix); the bytes of tensors
+    it had to write; its layouts for meta.json (``SaveJob.layout``, ``SaveJob.stage``)."""
+
+    sums: dict[str, str]
+    error: str | None
+    refused: tuple[str, str] | None
+    nbytes: int
+    layout: tuple[int, dict[str, Any]] | None
+    stage: tuple[int, dict[str, Any]] | None
+
+
+def _full_meta(job: SaveJob, reports: list[_Report]) -> dict[str, Any]:
+    """Rank 0's ``job.meta`` completed from every rank's report: sums, writers, layouts."""
+    files = {n: s for r in reports for n, s in r.sums.items()}
+    writers = {n: rank for rank, r in enumerate(reports) for n in r.sums}
+    # Every stage's layouts in stage order (the tied word table's two copies: one entry).
+    stages = sorted((r.stage for r in reports if r.stage is not None), key=lambda s: s[0])
+    tensors = {key: info for _, layout in stages for key, info in layout.items()}
+    meta = {**job.meta, "tensors": tensors, "stages": [list(lay) for _, lay in stages]}
+    meta.update(files=dict(sorted(files.items())), writers=writers)
+    layouts = sorted((r.layout for r in reports if r.layout is not None), key=lambda x: x[0])
+    if layouts:
+        sharded = {**meta["distributed_optimizer"], "layouts": [lay for _, lay in layouts]}
+        meta["distributed_optimizer"] = sharded
+    return meta
+
+
+def _refused_line(job: SaveJob, refused: tuple[str, str], needed: int) -> str:
+    """The one line of a save that storage refused: where, why, the bytes it needs and those
+    free, what ``latest`` still names, and the fix."""
+    reason, fix = refused
+    path = os.path.join(job.save_dir, checkpoint_name(job.iteration))
+    latest = find_latest(job.save_dir)
+    kept = "no earlier checkpoint exists"
+    if latest is not None:
+        kept = f"{checkpoint_name(latest)} is still the latest"
+    return (
+        f"checkpoint.save: cannot write {path} ({reason}: needs about {mib(needed)}, "
+        f"{mib(free_bytes(job.save_dir))} free); {kept}; {fix} or set checkpoint.save elsewhere"
+    )
+
+
 def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
     """Write ``job``'s files, and (rank 0) publish the checkpoint once every rank has written.
 
     Collective over ``group`` (``coordination_group``), with the same three object collectives
     on every rank whatever fails. Returns the checkpoint's path; raises on every rank if any
-    rank failed: its own error on the rank that failed, a RuntimeError naming it elsewhere.
+    rank failed, after rank 0 has removed the temporary directory: a StorageError with one line
+    for all if storage refused a write (full or read-only disk); else its own error on the rank
+    that failed, a RuntimeError naming it elsewhere.
     """
     nonce = _from_rank0(f"{secrets.randbits(48):012x}", job, group)
     tmp = os.path.join(job.save_dir, f"{checkpoint_name(job.iteration)}.tmp-{nonce}")
@@ -269,30 +336,28 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
                 sums[name] = write_tensors(os.path.join(tmp, name), tensors, header)
         except Exception as e:  # reported below, to every rank
             error = e
-    report = (sums, None if error is None else repr(error), job.layout, job.stage)
+    nbytes = sum(t.nbytes for tensors, _ in job.files.values() for t in tensors.values())
+    what = None if error is None else repr(error)
+    report = _Report(sums, what, refusal(error), nbytes, job.layout, job.stage)
     reports = _to_rank0(report, job, group)
-    failure = None
+    failure, refused = None, None
     if job.rank == 0:
-        failed = [(r, what) for r, (_, what, _, _) in enumerate(reports) if what is not None]
-        if failed:
-            failure = f"rank {failed[0][0]}: {failed[0][1]}"
-        else:
-            files = {n: s for part, _, _, _ in reports for n, s in part.items()}
-            writers = {n: r for r, (part, _, _, _) in enumerate(reports) for n in part}
-            # Every stage's layouts in stage order (the tied word table's two copies: one entry).
-            stages = sorted((r[3] for r in reports if r[3] is not None), key=lambda s: s[0])
-            tensors = {key: info for _, layout in stages for key, info in layout.items()}
-            meta = {**job.meta, "tensors": tensors, "stages": [list(lay) for _, lay in stages]}
-            meta.update(files=dict(sorted(files.items())), writers=writers)
-            layouts = sorted((r[2] for r in reports if r[2] is not None), key=lambda x: x[0])
-            if layouts:
-                sharded = {**meta["distributed_optimizer"], "layouts": [lay for _, lay in layouts]}
-                meta["distributed_optimizer"] = sharded
+        failed = [(r, rep) for r, rep in enumerate(reports) if rep.error is not None]
+        if not failed:
             try:
-                publish(tmp, job.save_dir, meta, job.keep_last)
+                publish(tmp, job.save_dir, _full_meta(job, reports), job.keep_last)
             except Exception as e:  # reported below, to every rank
-                error, failure = e, f"rank 0: {e!r}"
-    failure = _from_rank0(failure, job, group)
+                error = e
+                failed = [(0, report._replace(error=repr(e), refused=refusal(e)))]
+        if failed:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done writing into it
+            failure = f"rank {failed[0][0]}: {failed[0][1].error}"
+            refused = next((rep.refused for _, rep in failed if rep.refused), None)
+            if refused is not None:
+                failure = _refused_line(job, refused, sum(rep.nbytes for rep in reports))
+    failure, refused = _from_rank0((failure, refused), job, group)
+    if refused is not None:
+        raise StorageError(failure) from error
     if error is not None:
         raise error
     if failure is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import types
 from collections.abc import Iterable, Sequence
@@ -79,12 +80,23 @@ def _read_yaml(path: str) -> tuple[dict, dict[str, int]]:
         return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must map sections (model:, training:, ...)")
+    return data, _key_lines(node, path)
+
+
+def _key_lines(node: yaml.Node, path: str, prefix: str = "") -> dict[str, int]:
+    """The line of every dotted key under ``node``; a key given twice in one mapping is an error
+    (PyYAML would keep the last and silently drop the first, a whole section at the top)."""
     lines: dict[str, int] = {}
-    for key_node, value_node in node.value:
-        lines[str(key_node.value)] = key_node.start_mark.line + 1
-        for sub_node, _ in value_node.value if isinstance(value_node, yaml.MappingNode) else ():
-            lines[f"{key_node.value}.{sub_node.value}"] = sub_node.start_mark.line + 1
-    return data, lines
+    for key_node, value_node in node.value if isinstance(node, yaml.MappingNode) else ():
+        dotted, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if dotted in lines:
+            raise ConfigError(
+                f"{path}:{line}: duplicate key {dotted} (first at line {lines[dotted]}); "
+                "merge the two"
+            )
+        lines[dotted] = line
+        lines.update(_key_lines(value_node, path, dotted + "."))
+    return lines
 
 
 def load_config(paths: Sequence[str], overrides: Sequence[str] = ()) -> Config:
@@ -144,6 +156,13 @@ def _build(raw: dict[str, dict[str, Any]], origin: dict[str, str]) -> Config:
                         f"{origin[dotted]}: {dotted}={raw[name][key]!r} is not of "
                         f"type {f.type}; fix the value"
                     )
+                # inf or nan (.inf in YAML, 1e999) passes every range check, then skips every step
+                items = kwargs[key] if isinstance(kwargs[key], list) else [kwargs[key]]
+                if any(isinstance(x, float) and not math.isfinite(x) for x in items):
+                    raise ConfigError(
+                        f"{origin[dotted]}: {dotted}={kwargs[key]} is not a finite number; "
+                        "give a finite value"
+                    )
             elif f.default is MISSING and f.default_factory is MISSING:
                 raise ConfigError(
                     f"{dotted} is required and no config sets it; add it under "
@@ -200,7 +219,15 @@ def parse_args(argv: Sequence[str], description: str = "") -> tuple[Config, argp
         action="store_true",
         help="validate and estimate memory and FLOPs; start nothing",
     )
-    parser.add_argument("--world-size", type=int, help="dry run: the world size to check for")
+    parser.add_argument(
+        "--preflight",
+        action="store_true",
+        help="run every check training runs before its first collective (config, paths, data) "
+        "for --world-size, then exit: 0 clean, 2 with the one-line error",
+    )
+    parser.add_argument(
+        "--world-size", type=int, help="dry run, preflight: the world size to check for"
+    )
     parser.add_argument("--gpu-memory-gb", type=float, help="dry run: memory of one GPU in GB")
     args = parser.parse_intermixed_args(list(argv))
     return load_config(args.config, args.overrides), args

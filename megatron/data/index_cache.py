@@ -18,9 +18,9 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from megatron.atomic_file import write_atomic
+from megatron.atomic_file import refusal, write_atomic
 from megatron.data.indexed_dataset import index_path
-from megatron.errors import ConfigError
+from megatron.errors import ConfigError, StorageError
 from megatron.parallel.launcher import launcher_env
 
 logger = logging.getLogger(__name__)
@@ -75,18 +75,31 @@ def cached_indices(
     base = _entry_base(cache_dir, kind, key)
     paths = {name: f"{base}-{name}.npy" for name in names}
     description = base + ".json"
+    refused = None  # storage's refusal to the builder, raised after the barrier it must meet
     if _is_builder() and not os.path.isfile(description):
         start = time.perf_counter()
         arrays = build()
-        os.makedirs(cache_dir, exist_ok=True)
-        for name in names:
-            _write_atomic(paths[name], lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
-        # the description goes last: its presence means every array is in place
-        text = json.dumps(key, indent=1, sort_keys=True).encode()
-        _write_atomic(description, lambda f: f.write(text))
-        logger.info("built %s indices in %.3f s: %s", kind, time.perf_counter() - start, base)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for name in names:
+                array = arrays[name]
+                _write_atomic(paths[name], lambda f, a=array: np.save(f, a, allow_pickle=False))
+            # the description goes last: its presence means every array is in place
+            text = json.dumps(key, indent=1, sort_keys=True).encode()
+            _write_atomic(description, lambda f: f.write(text))
+        except OSError as err:
+            if (reason := refusal(err)) is None:
+                raise
+            refused = StorageError(
+                f"data.cache_dir: cannot write {cache_dir} ({reason[0]}); {reason[1]} or set "
+                "data.cache_dir to another directory"
+            )
+        else:
+            logger.info("built %s indices in %.3f s: %s", kind, time.perf_counter() - start, base)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # the builder's files must exist before anyone maps them
+    if refused is not None:
+        raise refused
     if not os.path.isfile(description):
         raise ConfigError(
             f"{description}: index cache missing after the build; data.cache_dir must be a "

@@ -18,6 +18,7 @@ byte-compatible with megatron-core's ``IndexedDataset``, so corpora move both wa
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -219,7 +220,10 @@ class IndexedDatasetWriter:
         """Discard everything written: close and remove the temporary files."""
         if self._closed:
             return
-        self._bin.close()
+        # Closing flushes what is buffered, which fails again on a full disk: the file is closed
+        # all the same, and removed below.
+        with contextlib.suppress(OSError):
+            self._bin.close()
         for path in (self._bin_tmp, self._idx_tmp):
             if os.path.exists(path):
                 os.remove(path)

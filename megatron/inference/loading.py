@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from megatron import checkpoint
-from megatron.checkpoint.format import checkpoint_name, read_meta
+from megatron.checkpoint import find_checkpoint
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import config_from_dict
 from megatron.config.schema import Config, padded_vocab_size
@@ -55,34 +55,6 @@ def model_type(meta: dict[str, Any]) -> str:
     return "bert" if "model/lm_head.bias" in meta["tensors"] else "gpt"
 
 
-def newest_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, dict[str, Any]]:
-    """(directory, meta) of ``iteration``, or of the newest checkpoint whose meta.json reads."""
-    if not os.path.isdir(load_dir):
-        raise ConfigError(f"--load {load_dir}: no such directory; give a checkpoint directory")
-    if os.path.isfile(os.path.join(load_dir, "meta.json")):  # one iter_* directory
-        return load_dir, read_meta(load_dir)
-    if iteration is not None:
-        path = os.path.join(load_dir, checkpoint_name(iteration))
-        if not os.path.isdir(path):
-            raise ConfigError(f"--load {load_dir}: no checkpoint of iteration {iteration}")
-        return path, read_meta(path)
-    try:
-        found = checkpoint.candidates(load_dir)
-    except ConfigError:
-        raise ConfigError(
-            f"--load {load_dir}: holds no checkpoint (no latest file, no iter_* directory); "
-            "give a save directory"
-        ) from None
-    problems = []
-    for it in found:
-        path = checkpoint.checkpoint_dir(load_dir, it)
-        try:
-            return path, read_meta(path)
-        except ConfigError as e:
-            problems.append(str(e))
-    raise ConfigError(f"--load {load_dir}: no readable checkpoint ({problems[0]})")
-
-
 @dataclass
 class Loaded:
     """A model ready for inference, and what it came with."""
@@ -112,8 +84,9 @@ def check_tp(cfg: Config, tp: int) -> None:
 def load_for_inference(
     load_dir: str, overrides: list[str], tp_size: int | None = None, dtype: str | None = None
 ) -> Loaded:
-    """Start the process groups (``tp_size``, default the world size) and load the newest
-    checkpoint of ``load_dir`` into a model in eval mode.
+    """Start the process groups (``tp_size``, default the world size) and load the checkpoint
+    ``load_dir`` names (``find_checkpoint``: a save directory's newest, or one ``iter_*``
+    directory) into a model in eval mode.
 
     ``overrides`` (``section.key=value``) apply to the checkpoint's config, e.g. the tokenizer;
     ``dtype`` (fp32, bf16, fp16) replaces the saved ``precision.dtype``.
@@ -122,7 +95,7 @@ def load_for_inference(
     tp = world if tp_size is None else tp_size
     if tp < 1 or world % tp:
         raise ConfigError(f"--tensor-parallel-size {tp} does not divide the world size {world}")
-    path, meta = newest_checkpoint(load_dir)
+    path, meta = find_checkpoint(load_dir)
     # Decoding with a KV cache runs one token at a time: no sequence to split over TP.
     extra = [f"parallel.tensor_parallel_size={tp}", "parallel.sequence_parallel=false"]
     if dtype is not None:

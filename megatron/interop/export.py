@@ -16,12 +16,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from megatron.checkpoint import find_checkpoint
 from megatron.checkpoint.format import META, verify_checkpoint
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import config_from_dict
 from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
-from megatron.inference.loading import model_type, newest_checkpoint
+from megatron.inference.loading import model_type
 from megatron.interop.architectures import for_checkpoint
 from megatron.interop.hf_files import HF_DTYPE_NAMES, write_config, write_weights
 from megatron.interop.hf_tokenizer import export_tokenizer
@@ -39,7 +40,8 @@ def export_hf(
     """Write the checkpoint of ``load_dir`` (its newest, or ``iteration``) as a HF model
     directory at ``output``, weights in ``dtype`` (fp32, bf16, fp16); returns ``output``.
 
-    ``load_dir`` is a save directory or one ``iter_*`` directory; ``overrides``
+    ``load_dir`` is a save directory (a run's, or a tools/checkpoint_util.py output) or one
+    ``iter_*`` directory; ``overrides``
     (``tokenizer.key=value``) replace the saved tokenizer settings, e.g. files that moved.
     Raises ConfigError (one line) for a missing or damaged checkpoint, a model HF cannot hold
     (post-LN GPT), or an ``output`` that already holds files.
@@ -47,7 +49,7 @@ def export_hf(
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     check_output(output)
-    ckpt, meta = newest_checkpoint(load_dir, iteration)
+    ckpt, meta = find_checkpoint(load_dir, iteration)
     problem = verify_checkpoint(ckpt)
     if problem:
         raise ConfigError(f"--load: {problem}; restore it, or export another with --iteration")

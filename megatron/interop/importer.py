@@ -3,9 +3,11 @@
     DIR/latest, DIR/iter_0000000/   weights only (meta.json in our format: resolved config,
                                     tensor layout, checksums; no optimizer, RNG or schedule)
     DIR/tokenizer/                  the tokenizer files, copied
-    DIR/config.yaml                 a config our entrypoints accept: the model, the copied
-                                    tokenizer, checkpoint.load=DIR with finetune=true, and
-                                    training defaults; data.paths is left to the user
+    DIR/config.yaml                 a config our entrypoints accept at any world size: the
+                                    model, the copied tokenizer, TP=1 (the checkpoint reshards
+                                    on load to whatever TP a run asks for), checkpoint.load=DIR
+                                    with finetune=true and save=DIR/finetuned, and training
+                                    defaults; data.paths is left to the user
 
 Everything is checked (architecture, config.json, every tensor, the tokenizer's vocabulary)
 before anything is written; DIR appears only once complete.
@@ -33,7 +35,8 @@ from megatron.interop.ours import write_checkpoint
 from megatron.interop.staging import check_output, staged
 
 CONFIG_YAML = "config.yaml"
-# Fine-tuning defaults for config.yaml (any key can be overridden on the command line).
+# Continued-pretraining defaults for config.yaml (any key can be overridden on the command line).
+# No warmup: the weights are trained already, and any training.train_iters then validates.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {"split": "949,50,1", "num_workers": 2},
     "training": {
@@ -49,7 +52,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "min_lr": 1.0e-6,
         "weight_decay": 0.01,
         "clip_grad": 1.0,
-        "lr_warmup_iters": 100,
+        "lr_warmup_iters": 0,
         "lr_decay_style": "cosine",
     },
     "precision": {"dtype": "fp32"},
@@ -57,13 +60,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def _sections(
-    model: dict[str, dict[str, Any]], tokenizer: dict[str, Any], tp_size: int, output: str
+    model: dict[str, dict[str, Any]], tokenizer: dict[str, Any], output: str
 ) -> dict[str, dict[str, Any]]:
-    """config.yaml's sections (without data.paths), in the order the shipped configs use."""
+    """config.yaml's sections (without data.paths), in the order the shipped configs use. TP=1,
+    whatever the checkpoint's: one process runs it as it is, torchrun overrides it."""
     load = os.path.abspath(output)
     return {
         **model,  # model, and bert for BERT
-        "parallel": {"tensor_parallel_size": tp_size},
+        "parallel": {"tensor_parallel_size": 1},
         "tokenizer": tokenizer,
         **{k: dict(v) for k, v in DEFAULTS.items()},
         "checkpoint": {
@@ -76,14 +80,23 @@ def _sections(
     }
 
 
-def _command(output: str, kind: str) -> str:
-    script = "pretrain_bert.py" if kind == "bert" else "pretrain_gpt.py"
-    return f"python {script} --config {os.path.join(output, CONFIG_YAML)} data.paths=[PREFIX]"
+def _commands(output: str, kind: str, tp_size: int) -> list[str]:
+    """One process, and (for a checkpoint saved at TP > 1) torchrun at its TP size: the
+    commands that continue pretraining the import in ``output`` on the user's data."""
+    # The entrypoint as seen from the working directory, where the printed command will run.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.relpath(os.path.join(root, f"pretrain_{kind}.py"))
+    args = f"{script} --config {os.path.join(output, CONFIG_YAML)} data.paths=[PREFIX]"
+    if tp_size == 1:
+        return [f"python {args}"]
+    torchrun = f"torchrun --standalone --nproc-per-node {tp_size}"
+    return [f"python {args}", f"{torchrun} {args} parallel.tensor_parallel_size={tp_size}"]
 
 
-def finetune_command(output: str) -> str:
-    """The command that fine-tunes the import in ``output`` (the user supplies the data)."""
-    return _command(output, model_type(read_meta(os.path.join(output, checkpoint_name(0)))))
+def finetune_commands(output: str) -> list[str]:
+    """``_commands`` of the import in ``output``."""
+    meta = read_meta(os.path.join(output, checkpoint_name(0)))
+    return _commands(output, model_type(meta), meta["tp_size"])
 
 
 def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
@@ -110,8 +123,11 @@ def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
         )
     if tp_size < 1:
         raise ConfigError(f"--tensor-parallel-size {tp_size} must be at least 1")
-    sections = _sections(model, source, tp_size, output)
-    cfg = config_from_dict({**sections, "data": {**sections["data"], "paths": []}}, where)
+    sections = _sections(model, source, output)
+    stored_tp = [f"parallel.tensor_parallel_size={tp_size}"]  # the checkpoint's, in its meta.json
+    cfg = config_from_dict(
+        {**sections, "data": {**sections["data"], "paths": []}}, where, stored_tp
+    )
     check_tp(cfg, tp_size)
     sections["model"] = dataclasses.asdict(cfg.model)  # every model.* key, spelled out
     weights = read_weights(hf_dir, architecture.base_prefix, architecture.head_prefixes)
@@ -125,10 +141,13 @@ def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
         imported = {"path": os.path.abspath(hf_dir), "architecture": architecture.name}
         extra = {"imported_from": imported}
         write_checkpoint(tmp, architecture.kind, cfg, full, vocab, source_weights, extra)
+        commands = _commands(output, architecture.kind, tp_size)
         header = (
             f"# Imported from {imported['path']} ({architecture.name}) by tools/import_hf.py.\n"
+            f"# The checkpoint is saved at TP={tp_size}; it reshards on load to the run's "
+            "parallel.tensor_parallel_size.\n"
             "# data.paths is yours to give, e.g. on the command line:\n"
-            f"#   {_command(output, architecture.kind)}\n"
+            + "".join(f"#   {c}\n" for c in commands)
         )
         write_contents(
             os.path.join(tmp, CONFIG_YAML), header + yaml.safe_dump(sections, sort_keys=False)

@@ -9,17 +9,31 @@ by ~1e-1, hence the 1e-4 limit.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
 from megatron.checkpoint.format import read_meta
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import config_from_dict
+from megatron.errors import ConfigError
 from megatron.inference.loading import model_type
 from megatron.interop.hf_files import read_config
 from megatron.interop.ours import load_serial
 
 TOLERANCE = 1e-4
+
+
+def check_transformers() -> None:
+    """ConfigError (one line: how to install it) unless transformers imports. The tools ask
+    first, so that a refused --verify has written nothing and the rerun finds no output."""
+    try:
+        import transformers  # noqa: F401 (only --verify needs it)
+    except ImportError as e:
+        raise ConfigError(
+            f"--verify needs transformers ({e}): {sys.executable} -m pip install transformers"
+        ) from None
 
 
 def describe(diff: float) -> str:

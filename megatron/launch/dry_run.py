@@ -4,11 +4,13 @@ Runs with no GPU and no process group (a login node will do). It validates the c
 size; opens every tokenizer and data file (headers, sizes, and that no token id reaches the
 vocabulary: the check training runs before step 1, megatron/data/token_range.py, reading its cached
 result, or sampling evenly spaced blocks when the data is huge and not yet cached; for hdf5 shards,
-also that each split holds the samples the run draws from it); then reports the parameters, the
-per-GPU memory by kind (formulas in megatron/estimate/memory.py), the FLOPs per iteration, and
+also that each split holds the samples the run draws from it) and the paths it writes; then
+reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate/memory.py), the
+FLOPs per iteration, a checkpoint's size (warning when checkpoint.save lacks room for two), and
 whether the run fits in ``--gpu-memory-gb``. A file that does not exist here (the data may live on
-the cluster only) is named and skipped; a file that exists but is wrong is an error. Exit code: 0
-when it fits or no GPU size was given, 1 when it does not fit.
+the cluster only) is named and skipped, and the written paths are then not checked either; a file
+that exists but is wrong is an error. Exit code: 0 when it fits or no GPU size was given, 1 when
+it does not fit.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from megatron.atomic_file import mib
 from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
+from megatron.estimate.checkpoint_size import checkpoint_bytes
 from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
@@ -249,8 +253,7 @@ def dry_run(
     world = args.world_size or tp * pp
     validate(cfg, world, check_files=False)
     missing = missing_files(cfg)
-    if not missing:
-        validate(cfg, world, check_files=True)
+    warnings = [] if missing else validate(cfg, world, check_files=True)
     split_counts = _check_hdf5_splits(cfg, missing)
     derived = cfg.derived(world)
     pp, chunks = derived.pp_size, cfg.parallel.virtual_pipeline_size or 1
@@ -296,6 +299,10 @@ def dry_run(
     mem = _report_memory(cfg, padded, model_type, derived.dp_size, out)
     flops = Workload.of(cfg, padded, world).flops_per_iter
     out.write(f"FLOPs per iteration: {flops:.3e} in all, {flops / world:.3e} per GPU\n")
+    saved = mib(checkpoint_bytes(cfg, padded, model_type))
+    out.write(f"checkpoint: about {saved} per save (weights and optimizer state of every rank)\n")
+    for warning in warnings:
+        out.write(f"WARNING: {warning}\n")
     gb = args.gpu_memory_gb
     if gb is None:
         return 0

@@ -1,19 +1,23 @@
-"""Preflight: the config against the world size and the files it names, before any process
-starts work (``validate``); the dry run stops after it."""
+"""Preflight: the config against the world size, the files it reads and the paths it writes,
+before any process starts work (``validate``); the dry run stops after it."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
 
+from megatron.atomic_file import free_bytes, mib
 from megatron.config.checks import check_config, check_world
 from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.errors import ConfigError
+from megatron.estimate.checkpoint_size import checkpoint_bytes
 
 
-def _check_files(cfg: Config) -> None:
-    """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id."""
+def _check_files(cfg: Config) -> int:
+    """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id;
+    returns the tokenizer's vocabulary size."""
     tok = cfg.tokenizer
     for key in TOKENIZER_FILES[tok.type].split():
         # exists, not isfile: a HF tokenizer may be given as its directory
@@ -35,27 +39,93 @@ def _check_files(cfg: Config) -> None:
                 shard_files(path)
             except ConfigError as err:
                 raise ConfigError(f"data.paths: {err}") from None
-        return
     # Imported here: the checks above (shipped configs, dry runs without data) need neither.
     from megatron.data.indexed_dataset import IndexedDataset
     from megatron.data.tokenizers.factory import build_tokenizer
 
     vocab_size = build_tokenizer(**vars(tok)).vocab_size
-    for prefix in prefixes:
+    for prefix in prefixes if cfg.data.format == "indexed" else ():
         dtype = IndexedDataset(prefix).dtype  # raises ConfigError naming a missing/corrupt file
         if dtype.kind not in "iu" or np.iinfo(dtype).max < vocab_size - 1:
             raise ConfigError(
                 f"{prefix}.idx: token dtype {dtype} cannot hold the tokenizer's "
                 f"{vocab_size} ids; re-run tools/preprocess_data.py with it"
             )
+    return vocab_size
 
 
-def validate(cfg: Config, world_size: int, check_files: bool = True) -> None:
-    """Every check, before any process group or data work; raises ConfigError naming key and fix.
+def _existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_writable(key: str, path: str, is_dir: bool) -> None:
+    """``path`` (a directory if ``is_dir``, else a file) is of that kind where it exists, and it
+    or its nearest existing ancestor, a directory the run creates the rest in, is writable."""
+    kind = "directory" if is_dir else "file"
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        other = "file" if is_dir else "directory"
+        raise ConfigError(f"{key}: {path} is a {other}; give the path of a {kind}")
+    base = _existing(path)
+    if base != os.path.abspath(path) and not os.path.isdir(base):
+        raise ConfigError(f"{key}: cannot create {path}: {base} is a file; fix the path")
+    # statvfs first, to say why: access(2) refuses a read-only mount too, as EROFS.
+    if os.statvfs(base).f_flag & os.ST_RDONLY:
+        why = "is on a read-only file system"
+    elif not os.access(base, os.W_OK):
+        why = "is not writable by this user"
+    else:
+        return
+    raise ConfigError(f"{key}: cannot write {path} ({base} {why}); set {key} to a writable {kind}")
+
+
+def _check_outputs(cfg: Config) -> None:
+    """Every path the run writes is of the right kind, and writable or creatable."""
+    log = cfg.logging
+    for key, path, is_dir in (
+        ("checkpoint.save", cfg.checkpoint.save, True),
+        ("logging.tensorboard_dir", log.tensorboard_dir, True),
+        ("logging.metrics_file", log.metrics_file, False),
+        ("data.cache_dir", cfg.data.cache_dir, True),
+    ):
+        if not path:
+            continue
+        # A cache holding complete entries (each's .json is written last) is read without
+        # writing (megatron/data/index_cache.py), so a prebuilt one may be read-only.
+        if key == "data.cache_dir" and glob.glob(os.path.join(glob.escape(path), "*.json")):
+            continue
+        _check_writable(key, path, is_dir)
+
+
+def _save_space_warning(cfg: Config, padded_vocab_size: int) -> str | None:
+    """A warning when ``checkpoint.save``'s file system has no room for two checkpoints: a save
+    writes the new one before ``keep_last`` removes an old one."""
+    save = cfg.checkpoint.save
+    if not save:
+        return None
+    need, free = checkpoint_bytes(cfg, padded_vocab_size, cfg.model.type or "gpt"), free_bytes(save)
+    if free >= 2 * need:
+        return None
+    return (
+        f"checkpoint.save: {save} has {mib(free)} free; one checkpoint is about {mib(need)} "
+        "and a save needs room for two; free space or point checkpoint.save elsewhere"
+    )
+
+
+def validate(cfg: Config, world_size: int, check_files: bool = True) -> list[str]:
+    """Every check, before any process group or data work; raises ConfigError naming key and fix,
+    returns the warnings (the run can go on, but is likely to fail later).
 
     ``check_files=False`` skips the file-system checks (shipped configs, dry runs elsewhere).
     """
     check_world(cfg, world_size)
     check_config(cfg)
-    if check_files:
-        _check_files(cfg)
+    if not check_files:
+        return []
+    vocab_size = _check_files(cfg)
+    _check_outputs(cfg)
+    warning = _save_space_warning(cfg, cfg.derived(world_size).padded_vocab_size(vocab_size))
+    return [warning] if warning else []

@@ -158,6 +158,8 @@ class RunLock:
                 os.remove(self.path)
         except FileNotFoundError:
             pass
+        except OSError:  # the disk turned read-only: the lock stays, and its pid is gone next run
+            pass
 
 
 class NoLock:

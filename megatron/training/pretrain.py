@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron import checkpoint
+from megatron.atomic_file import write_contents
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import parse_args
 from megatron.config.schema import Config, to_yaml
@@ -37,6 +37,7 @@ from megatron.errors import ConfigError
 from megatron.launch.heartbeat import PEER_FAILURE, Heartbeat
 from megatron.launch.preflight import validate
 from megatron.launch.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
+from megatron.launch.torchrun import exit_with
 from megatron.logging import log, setup_logging
 from megatron.models.build import build_model
 from megatron.optim.build import build_optimizer
@@ -62,7 +63,8 @@ def main(
     forward_step: ForwardStep,
     model_type: str = "gpt",
 ) -> int:
-    """Entry point: parse, validate, train; a user mistake is one line on rank 0 and exit 2.
+    """Entry point: parse, validate, train; a user mistake is one line on rank 0 and exit 2 (4:
+    storage refused a write). ``--preflight`` runs the checks alone, for ``--world-size``.
 
     ``model_type`` ("gpt" or "bert") is this entrypoint's, the model ``models/build.py`` builds:
     a config whose ``model.type`` names the other is refused, and the run's config (printed,
@@ -81,18 +83,24 @@ def main(
             from megatron.launch.dry_run import dry_run
 
             return dry_run(cfg, args, model_type)
+        if args.preflight:  # what the launch scripts run before they start torchrun
+            world_size = args.world_size or int(launcher_env()["WORLD_SIZE"])
+            for warning in validate(cfg, world_size):
+                print(f"WARNING: {warning}")
+            print(f"preflight ok: {', '.join(args.config)} at world size {world_size}")
+            return 0
         return pretrain(cfg, datasets_provider, forward_step)
     except ConfigError as err:
-        if int(launcher_env()["RANK"]) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return exit_with(err)
 
 
 def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: ForwardStep) -> int:
     """Train the ``cfg.model.type`` model as ``cfg`` says; returns the process exit code (3: NaN
     stop, 1: a peer was lost)."""
     world_size = int(launcher_env()["WORLD_SIZE"])
-    validate(cfg, world_size)  # every user mistake surfaces here, before any collective
+    warnings = validate(cfg, world_size)  # every user mistake surfaces here, before any collective
+    for warning in warnings if int(launcher_env()["RANK"]) == 0 else ():
+        print(f"WARNING: {warning}")  # stdout, as rank 0's log, whose logger is not set up yet
     start_time = time.time()
     # Installed before the slow setup: a signal that comes while indices are built is then acted
     # on at the first iteration instead of killing the process.
@@ -144,14 +152,26 @@ def _train(
     """Build everything, resume if there is a checkpoint, run the loop."""
     derived = cfg.derived(state.world_size)
     config_text = to_yaml(cfg)
-    log.info("resolved config:\n%s", config_text)
+    if state.rank == 0:
+        _record_config(cfg, config_text)
+    m, t = cfg.model, cfg.training
     log.info(
-        "world %d = dp %d x pp %d x tp %d; %d micro-batches per step",
+        "%s: %d layers x %d hidden, %d heads, seq %d, %s; world %d = dp %d x pp %d x tp %d; "
+        "%d iterations of %d samples (%d micro-batches per step), lr %g",
+        m.type,
+        m.num_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        m.seq_length,
+        cfg.precision.dtype,
         state.world_size,
         derived.dp_size,
         state.pp_size,
         derived.tp_size,
+        t.train_iters,
+        t.global_batch_size,
         derived.num_micro_batches,
+        cfg.optimizer.lr,
     )
     if cfg.precision.dtype == "fp16" and state.device.type == "cpu" and state.rank == 0:
         # Where a CPU lacks fp16 kernels, fp16 was measured 50x slower than bf16 (issue 12);
@@ -232,6 +252,24 @@ def _train(
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
         metrics.close()
+
+
+def _record_config(cfg: Config, config_text: str) -> None:
+    """The resolved config as ``resolved_config.yaml`` in the run's save (else TensorBoard)
+    directory, its path on the console; with neither, the whole config on the console. A file
+    that cannot be written is a warning: every checkpoint's meta.json holds the config too."""
+    directory = cfg.checkpoint.save or cfg.logging.tensorboard_dir
+    if directory is None:
+        log.info("resolved config:\n%s", config_text)
+        return
+    path = os.path.join(directory, "resolved_config.yaml")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        write_contents(path, config_text)
+    except OSError as err:
+        log.warning("could not write the resolved config to %s (%s)", path, err.strerror)
+        return
+    log.info("resolved config: %s", path)
 
 
 def _resume_source(cfg: Config) -> tuple[str | None, bool]:

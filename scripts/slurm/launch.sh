@@ -1,7 +1,12 @@
 #!/bin/bash
 # The launch shared by pretrain_gpt.sbatch and pretrain_bert.sbatch:
 #
-#   launch.sh ENTRYPOINT CONFIG.yaml [section.key=value ...]
+#   launch.sh ENTRYPOINT [--dry] CONFIG.yaml [section.key=value ...]
+#   launch.sh ENTRYPOINT --help
+#
+# --dry prints the srun/torchrun command the job would run and runs the preflight for its world
+# size, starting nothing; outside a job (no SLURM_JOB_ID) it shows a job of NNODES nodes (default
+# 1) with localhost as the first host. Outside a job anything else prints the usage and exits 2.
 #
 # The sbatch files `exec` it, so it runs as the job's batch shell (the same process) and gets
 # the batch signal below. Inside an allocation (salloc) run it directly from the repository
@@ -11,7 +16,8 @@
 # rendezvous on the first host of the job's node list. The job runs in $SLURM_SUBMIT_DIR. sbatch
 # passes your environment on, so these can be set on its command line (REQUEUE=1 sbatch ...):
 #
-#   PYTHON            interpreter with the requirements installed (default: python)
+#   PYTHON            interpreter with the requirements installed (default: the repository's
+#                     .venv/bin/python when there is one, else python3)
 #   GPUS_PER_NODE     processes per node (default: $SLURM_GPUS_ON_NODE, else 8)
 #   MASTER_PORT       rendezvous port on the first host (default: 29500 + job id % 1000)
 #   LAUNCHER          torchrun (default) or srun: one task per GPU, see below
@@ -32,6 +38,11 @@
 # preemption (SLURM sends SIGTERM to the job's steps, then GraceTime) takes the same path
 # without this script: the workers save and exit 0, and SLURM requeues the job as its
 # PreemptMode says. An iteration plus a save must fit in the @300 (or GraceTime).
+#
+# Before srun, on the batch host, the entrypoint's --preflight checks the config, its files and the
+# world size: a mistake is one line and exit 2, and nothing starts. torchrun runs as
+# megatron.launch.torchrun, torchrun that exits with the failed worker's own code after its one
+# line (2 config, 4 storage, 3 NaN stop, 1 lost peer); srun's status is the highest of its tasks'.
 #
 # After a stop the script exits with the step's status: 0 when every worker exited 0. With
 # REQUEUE=1 it requeues the job after the SIGUSR1 warning if, besides, `latest` under
@@ -62,7 +73,29 @@
 #   PYTHONFAULTHANDLER=1             Python stacks of every thread on a fatal signal
 
 set -euo pipefail
+REPO=$(cd "$(dirname "$0")/../.." && pwd) # before the cd: $0 may be relative
 cd "${SLURM_SUBMIT_DIR:-.}"
+
+usage() {
+    cat <<'EOF'
+usage: sbatch [sbatch options] scripts/slurm/pretrain_{gpt,bert}.sbatch CONFIG.yaml [key=value ...]
+       bash scripts/slurm/pretrain_{gpt,bert}.sbatch --dry CONFIG.yaml [key=value ...]
+       bash scripts/slurm/pretrain_{gpt,bert}.sbatch --help
+
+Submit from the repository root after `mkdir -p logs` (the job writes logs/<name>-<job id>.out).
+--dry, in or outside a job: the srun/torchrun command the job would run, and the preflight of
+the config for its world size (nodes x GPUS_PER_NODE); nothing starts. Variables (set them
+before sbatch, which passes your environment on):
+  PYTHON            interpreter (default: the repository's .venv/bin/python, else python3)
+  GPUS_PER_NODE     processes per node (default: $SLURM_GPUS_ON_NODE, else 8)
+  NNODES            --dry outside a job: the nodes to show (default 1); a job has its own
+  LAUNCHER          torchrun (default), or srun: one task per GPU
+  REQUEUE=1         requeue the job after the time-limit warning and a new checkpoint
+  MASTER_PORT       rendezvous port on the first host (default: 29500 + job id % 1000)
+  SHUTDOWN_TIMEOUT  seconds torchrun waits for the other workers after one fails (default 280)
+More: the header of scripts/slurm/launch.sh, and docs/slurm.md.
+EOF
+}
 
 # The pointer is replaced atomically on every save (new inode), so a changed stamp means a new
 # checkpoint was completed by every rank.
@@ -96,23 +129,54 @@ signal_step() {
     if scancel --signal="$EXIT_SIGNAL" "$step"; then SIGNALLED=$step; fi
 }
 
-if (($# < 2)); then
-    echo "usage: sbatch scripts/slurm/pretrain_{gpt,bert}.sbatch CONFIG.yaml [key=value ...]" >&2
+ENTRYPOINT=${1:-} # given by the sbatch file
+(($# == 0)) || shift
+DRY=
+case ${1:-} in
+    --help | -h)
+        usage
+        exit 0
+        ;;
+    --dry) DRY=1 && shift ;;
+esac
+if [[ -z $DRY && -z ${SLURM_JOB_ID:-} ]]; then
+    echo "error: not inside a SLURM job (no SLURM_JOB_ID): submit it with sbatch, or add --dry" >&2
+    usage >&2
     exit 2
 fi
-ENTRYPOINT=$1
-CONFIG=$2
-shift 2
+if (($# < 1)); then
+    usage >&2
+    exit 2
+fi
+CONFIG=$1
+shift
 OVERRIDES=("$@")
-PYTHON=${PYTHON:-python}
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=$REPO/.venv/bin/python
+    if [[ ! -x $PYTHON ]]; then PYTHON=python3; fi
+    echo "== PYTHON=$PYTHON (the repository's .venv, else python3; set PYTHON to choose)"
+fi
 LAUNCHER=${LAUNCHER:-torchrun}
+if [[ $LAUNCHER != torchrun && $LAUNCHER != srun ]]; then
+    echo "error: LAUNCHER=$LAUNCHER is unknown; use torchrun or srun" >&2
+    exit 2
+fi
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
-NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${NNODES:-1}}}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-280}
-HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")  # one per line; the first hosts rendezvous
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    JOB_ID=$SLURM_JOB_ID
+    NODELIST=$SLURM_JOB_NODELIST
+    HOSTS=$(scontrol show hostnames "$NODELIST") # one per line; the first hosts rendezvous
+    # Derived from the job id so two jobs sharing a node do not collide; a requeued job reuses it.
+    MASTER_PORT=${MASTER_PORT:-$((29500 + JOB_ID % 1000))}
+else # --dry outside a job: what a job would run, with this host as its first node
+    JOB_ID=JOBID
+    NODELIST=localhost
+    HOSTS=localhost
+    MASTER_PORT=${MASTER_PORT:-29500}
+fi
 MASTER_ADDR=${HOSTS%%$'\n'*}
-# Derived from the job id so two jobs sharing a node do not collide; a requeued job reuses it.
-MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 export MASTER_ADDR MASTER_PORT
 # One CUDA hardware queue per process: kernels then start in the order they are issued, so the
 # column-parallel layers' input-gradient all-reduce, issued before their weight-gradient GEMM,
@@ -127,14 +191,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
-TRACE_PREFIX=$PWD/logs/nccl_trace_${SLURM_JOB_ID}_rank_ # torch appends the rank
+TRACE_PREFIX=$PWD/logs/nccl_trace_${JOB_ID}_rank_ # torch appends the rank
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TRACE_PREFIX}
-mkdir -p "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE%/*}"
 
-if [[ $LAUNCHER != torchrun && $LAUNCHER != srun ]]; then
-    echo "LAUNCHER=$LAUNCHER is unknown; use torchrun or srun" >&2
-    exit 2
-fi
 # The save directory and the exit signal, read with the run's own config loader (a config error
 # stops here, before any GPU work): two lines, the first empty without checkpoint.save.
 RUN_INFO=$("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
@@ -146,7 +205,8 @@ from megatron.errors import ConfigError
 try:
     cfg = load_config([sys.argv[1]], sys.argv[2:])
 except ConfigError as err:
-    sys.exit(f"error: {err}")
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(err.exit_code)
 print(cfg.checkpoint.save or "", cfg.training.exit_signal, sep="\n")
 EOF
 )
@@ -154,9 +214,46 @@ SAVE_DIR=${RUN_INFO%$'\n'*}
 EXIT_SIGNAL=${RUN_INFO##*$'\n'}
 # The name SLURM lists this script's job step under: unique among the steps of an allocation.
 STEP_NAME=${ENTRYPOINT##*/}-$$
-echo "== $(date -Is) job $SLURM_JOB_ID (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}:" \
-    "$NNODES node(s) [$SLURM_JOB_NODELIST] x $GPUS_PER_NODE GPUs, launcher $LAUNCHER"
+echo "== $(date -Is) job $JOB_ID (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}:" \
+    "$NNODES node(s) [$NODELIST] x $GPUS_PER_NODE GPUs, launcher $LAUNCHER${DRY:+ (--dry)}"
 echo "== $ENTRYPOINT --config $CONFIG ${OVERRIDES[*]}"
+
+if [[ -n $SAVE_DIR && -e $SAVE_DIR/latest ]]; then
+    echo "== resuming from $SAVE_DIR"
+    OVERRIDES+=("checkpoint.load=$SAVE_DIR" "checkpoint.finetune=false")
+fi
+# Every check the workers run before their first collective, here in one process: a mistake is
+# one line and exit 2, and no node starts.
+"$PYTHON" "$ENTRYPOINT" --preflight --world-size "$((NNODES * GPUS_PER_NODE))" \
+    --config "$CONFIG" "${OVERRIDES[@]}"
+TRAIN=("$ENTRYPOINT" --config "$CONFIG" "${OVERRIDES[@]}")
+SRUN=(srun --job-name="$STEP_NAME" --nodes="$NNODES" --kill-on-bad-exit=1)
+if [[ $LAUNCHER == torchrun ]]; then
+    # torchrun must leave EXIT_SIGNAL to its workers: started with it ignored (inherited across
+    # exec) and without it among the signals torchrun catches. Its workers install their own
+    # handler for it before any long setup.
+    HANDLED=$(echo SIGTERM,SIGINT,SIGHUP,SIGQUIT | tr , '\n' | grep -vx "$EXIT_SIGNAL" |
+        paste -sd,)
+    CMD=("${SRUN[@]}" --ntasks="$NNODES" --ntasks-per-node=1)
+    if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then CMD+=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
+    CMD+=(bash -c "trap '' $EXIT_SIGNAL; exec \"\$@\"" "ignore-$EXIT_SIGNAL"
+        "$PYTHON" -m megatron.launch.torchrun
+        --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
+        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$JOB_ID"
+        --signals-to-handle="$HANDLED" --shutdown-timeout="$SHUTDOWN_TIMEOUT" "${TRAIN[@]}")
+else
+    CMD=("${SRUN[@]}" --ntasks="$((NNODES * GPUS_PER_NODE))" --ntasks-per-node="$GPUS_PER_NODE")
+    if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then
+        CMD+=(--cpus-per-task="$((SLURM_CPUS_ON_NODE / GPUS_PER_NODE))")
+    fi
+    CMD+=("$PYTHON" "${TRAIN[@]}")
+fi
+
+echo "== ${CMD[*]}"
+if [[ -n $DRY ]]; then exit 0; fi
+
+# What ran, for the job's log: the environment, versions, GPUs, commit and packages.
+mkdir -p "${TORCH_NCCL_DEBUG_INFO_TEMP_FILE%/*}"
 env | grep -E '^(SLURM_|NCCL_|TORCH_|CUDA_|MASTER_|OMP_)' | sort || true
 "$PYTHON" -c 'import sys, torch
 cuda = torch.cuda.is_available()
@@ -169,38 +266,10 @@ echo "== git $(git rev-parse HEAD 2>/dev/null || echo '(not a git checkout)')"
 echo "== pip freeze"
 "$PYTHON" -m pip freeze 2>/dev/null || echo "(pip not available)"
 
-if [[ -n $SAVE_DIR && -e $SAVE_DIR/latest ]]; then
-    echo "== resuming from $SAVE_DIR"
-    OVERRIDES+=("checkpoint.load=$SAVE_DIR" "checkpoint.finetune=false")
-fi
-TRAIN=("$ENTRYPOINT" --config "$CONFIG" "${OVERRIDES[@]}")
-SRUN=(srun --job-name="$STEP_NAME" --nodes="$NNODES" --kill-on-bad-exit=1)
-if [[ $LAUNCHER == torchrun ]]; then
-    # torchrun must leave EXIT_SIGNAL to its workers: started with it ignored (inherited across
-    # exec) and without it among the signals torchrun catches. Its workers install their own
-    # handler for it before any long setup.
-    HANDLED=$(echo SIGTERM,SIGINT,SIGHUP,SIGQUIT | tr , '\n' | grep -vx "$EXIT_SIGNAL" |
-        paste -sd,)
-    CMD=("${SRUN[@]}" --ntasks="$NNODES" --ntasks-per-node=1)
-    if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then CMD+=(--cpus-per-task="$SLURM_CPUS_ON_NODE"); fi
-    CMD+=(bash -c "trap '' $EXIT_SIGNAL; exec \"\$@\"" "ignore-$EXIT_SIGNAL"
-        "$PYTHON" -m torch.distributed.run
-        --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
-        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
-        --signals-to-handle="$HANDLED" --shutdown-timeout="$SHUTDOWN_TIMEOUT" "${TRAIN[@]}")
-else
-    CMD=("${SRUN[@]}" --ntasks="$((NNODES * GPUS_PER_NODE))" --ntasks-per-node="$GPUS_PER_NODE")
-    if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then
-        CMD+=(--cpus-per-task="$((SLURM_CPUS_ON_NODE / GPUS_PER_NODE))")
-    fi
-    CMD+=("$PYTHON" "${TRAIN[@]}")
-fi
-
 if [[ -n $STOPPED_BY ]]; then
     echo "== stopped before the launch; nothing ran"
     exit 1
 fi
-echo "== ${CMD[*]}"
 "${CMD[@]}" &
 LAUNCH_PID=$!
 while :; do

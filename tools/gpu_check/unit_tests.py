@@ -36,6 +36,8 @@ def run_tests(device: str, scratch: Path, timeout: float, log: Path) -> dict[str
         run_command(cmd, timeout, log, cwd=ROOT, env=env)
     except RuntimeError as e:  # pytest exits 1 on a failed test: the report still says which
         error = e
+    if error is not None and not report.exists():  # pytest stopped before any test ran
+        raise error
     cases = ET.parse(report).getroot().iter("testcase")
     outcome: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
     for case in cases:

@@ -1,0 +1,356 @@
+"""Every shell command in the README and docs/ works as written.
+
+The commands are read from the Markdown itself: every line of a ``bash`` fence, the ``$ ``
+lines of a bare fence (the rest is output), and the lines of an indented block that start with a
+command. Each one has an entry in ``CHECKS`` saying how
+it is checked, in a workspace laid out as a new user's clone (the repository's files, linked)
+with the venv first on PATH, as the README says to activate it:
+
+- ``Run()``: as written, in document order, so later commands use what earlier ones made (the
+  demo's checkpoint, the preprocessed data, the imported model);
+- ``Run(append=...)``: as written plus overrides that only make it shorter (fewer iterations);
+- ``Run(replace=...)``: what the shortened runs named otherwise (``iter_0000004``, not 100);
+- ``Instead(command, why)``: what needs GPUs or a cluster, checked by its preflight or dry mode;
+- ``Covered(test)``: run as written by another test;
+- ``Skip(why)``: the install and test commands, which are what CI itself runs, and the GPU check.
+
+A documented command without an entry, or an entry whose command is no longer documented, fails
+the test: the docs and their checks change together.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FIXTURES = ROOT / "tests" / "fixtures" / "tokenizers"
+# A line of a bare fence or an indented block is a command when it starts with one of these
+# (after VAR=value assignments and an optional "$ " prompt); other lines there are output.
+COMMAND_WORDS = ("python", "python3", "torchrun", "bash", "sbatch", "mkdir", "scripts/", ".venv/")
+# Appended to a long run: fewer iterations, and no warmup (it must be shorter than the run).
+SHORT = (
+    "training.train_iters=4",
+    "training.eval_interval=4",
+    "training.eval_iters=1",
+    "optimizer.lr_warmup_iters=0",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    append: tuple[str, ...] = ()
+    replace: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Instead:
+    command: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Covered:
+    test: str  # a test that runs this very command
+
+
+@dataclass(frozen=True)
+class Skip:
+    why: str
+
+
+@dataclass
+class Documented:
+    command: str
+    where: list[str] = field(default_factory=list)
+
+
+def _is_command(line: str) -> bool:
+    words = line.removeprefix("$ ").split()
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    return bool(words) and words[0].startswith(COMMAND_WORDS)
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    """Lines with their backslash continuations joined."""
+    joined, current = [], ""
+    for line in lines:
+        current = f"{current} {line.strip()}" if current else line.strip()
+        if current.endswith("\\"):
+            current = current[:-1].rstrip()
+            continue
+        joined.append(current)
+        current = ""
+    return joined
+
+
+def documented_commands(paths: list[Path] = DOCS) -> dict[str, Documented]:
+    """Every command in ``paths``, by its text (a repeated command is checked once)."""
+    found: dict[str, Documented] = {}
+    for path in paths:
+        lines = path.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            fence = re.fullmatch(r"```(\w*)\s*", lines[i])
+            block: list[str] = []
+            if fence:
+                j = i + 1
+                while j < len(lines) and not lines[j].startswith("```"):
+                    j += 1
+                block, labelled = lines[i + 1 : j], fence.group(1) in ("bash", "sh")
+                if not fence.group(1):  # a bare fence: its "$ " lines are commands, the rest output
+                    block = [line for line in block if line.startswith("$ ")]
+                elif not labelled:  # yaml, json, text
+                    block = []
+                i = j + 1
+            elif lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
+                j = i
+                while j < len(lines) and (lines[j].startswith("    ") or not lines[j].strip()):
+                    j += 1
+                block, labelled = [line[4:] for line in lines[i:j]], False
+                i = j
+            else:
+                i += 1
+                continue
+            for line in _logical_lines(block):
+                if not line or line.startswith("#") or not (labelled or _is_command(line)):
+                    continue
+                # the command itself, without its prompt and its trailing comment
+                command = re.sub(r"\s+#\s.*$", "", line.removeprefix("$ "))
+                entry = found.setdefault(command, Documented(command))
+                entry.where.append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+TINY = (("iter_0000100", "iter_0000004"), ("--iteration 200", "--iteration 4"))  # SHORT's saves
+CHECKS: dict[str, Run | Instead | Covered | Skip] = {
+    # README.md
+    "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && "
+    "PYTHON=.venv/bin/python bash scripts/demo.sh": Instead(
+        " ".join(["PYTHON=.venv/bin/python bash scripts/demo.sh", *SHORT]),
+        "the install needs the package index (CI installed the same and more); the demo as "
+        "written, shortened",
+    ),
+    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -r requirements-dev.txt && "
+    ".venv/bin/python -m pytest -q": Skip("the test command: CI runs exactly this"),
+    "torchrun --standalone --nproc-per-node 8 pretrain_gpt.py --config configs/gpt_8.3b.yaml": (
+        Instead(
+            "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --preflight --world-size 8",
+            "8 GPUs: every check the run makes before its first collective, at world size 8",
+        )
+    ),
+    "NPROC=8 scripts/run_single_node.sh configs/gpt_345m.yaml parallel.tensor_parallel_size=2": (
+        Instead(
+            "python pretrain_gpt.py --config configs/gpt_345m.yaml --preflight --world-size 8 "
+            "parallel.tensor_parallel_size=2",
+            "8 GPUs: the preflight the script runs before torchrun",
+        )
+    ),
+    "sbatch --nodes 2 scripts/slurm/pretrain_gpt.sbatch configs/gpt_39b.yaml": Instead(
+        "NNODES=2 bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_39b.yaml",
+        "a SLURM cluster: the script's dry mode, 2 nodes",
+    ),
+    "sbatch --nodes 64 scripts/slurm/pretrain_gpt.sbatch configs/gpt_39b.yaml": Instead(
+        "NNODES=64 bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_39b.yaml",
+        "a SLURM cluster: the script's dry mode, 64 nodes",
+    ),
+    "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --dry-run --world-size 8 "
+    "--gpu-memory-gb 32 model.recompute=full": Run(),
+    "python pretrain_gpt.py --config configs/gpt_39b.yaml --dry-run --world-size 16 "
+    "--gpu-memory-gb 80": Run(),
+    "python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --output-prefix data/my "
+    "--tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt "
+    "--append-eod --workers 16": Run(),
+    "python tools/ln_experiment.py --prepare-only --data-dir data/bert": Run(),
+    "torchrun --standalone --nproc-per-node 2 pretrain_bert.py --config configs/bert_tiny.yaml": (
+        Run(append=SHORT)
+    ),
+    'python tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "Return the" '
+    "--max-new-tokens 40": Run(),
+    "torchrun --standalone --nproc-per-node 2 tools/generate.py --load runs/gpt_tiny/checkpoints "
+    "--input prompts.jsonl --output out.jsonl": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split test": Run(),
+    "torchrun --standalone --nproc-per-node 4 tools/evaluate.py --tensor-parallel-size 2 "
+    "--load runs/gpt_tiny/checkpoints --task wikitext --input wiki.test.tokens --stride 64": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lambada --input "
+    "lambada_test.jsonl": Run(),
+    "python tools/export_hf.py --load runs/gpt_tiny/checkpoints --output hf/gpt_tiny --verify": (
+        Run()
+    ),
+    "python tools/import_hf.py --input hf/gpt2 --output runs/gpt2 --tensor-parallel-size 2 "
+    "--verify": Run(),
+    "python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/corpus_gpt2 "
+    "--tokenizer-type GPT2BPETokenizer --vocab-file runs/gpt2/tokenizer/vocab.json --merge-file "
+    "runs/gpt2/tokenizer/merges.txt --append-eod": Run(),
+    "python pretrain_gpt.py --config runs/gpt2/config.yaml "
+    "data.paths=[data/corpus_gpt2_text_document] training.train_iters=5": Run(),
+    # docs/
+    "python tools/bert_to_hdf5.py --data-path data/bert/bert_text_sentence --vocab-file "
+    "data/bert/vocab.txt --output-prefix data/shards/train --seq-length 128": Run(),
+    "python pretrain_bert.py --config configs/bert_3.9b.yaml --dry-run --world-size 512 "
+    "--gpu-memory-gb 32": Run(),
+    "python tools/preprocess_data.py --input my-corpus.json --output-prefix my-gpt2 --vocab-file "
+    "gpt2-vocab.json --tokenizer-type GPT2BPETokenizer --merge-file gpt2-merges.txt --append-eod "
+    "--keep-newlines --workers 8 --partitions 2": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task wikitext --input "
+    "wiki.test.tokens --stride 64": Run(),
+    "torchrun --standalone --nproc-per-node 4 tools/evaluate.py --tensor-parallel-size 2 --load "
+    "runs/gpt_tiny/checkpoints --task lambada --input lambada_test.jsonl": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split valid": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --task lm --split "
+    "valid": Run(replace=TINY),
+    'python tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "def main(" '
+    "--max-new-tokens 32": Run(),
+    "python tools/generate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --prompt "
+    '"def main("': Run(replace=TINY),
+    "torchrun --standalone --nproc-per-node 2 tools/generate.py --load runs/gpt_tiny/checkpoints "
+    "--input prompts.jsonl --output out.jsonl --batch-size 8 --top-p 0.9 --seed 7": Run(
+        replace=(("out.jsonl", "out-sampled.jsonl"),)  # the README's run wrote out.jsonl
+    ),
+    "scripts/gpu_check.sh": Skip("needs a GPU; --dry, next, runs the same steps on the CPU"),
+    "OUT=/tmp/check PYTHON=.venv/bin/python scripts/gpu_check.sh --dry": Covered(
+        "tests/test_gpu_check.py::test_dry_run_writes_every_step"
+    ),
+    "python tools/export_hf.py --load runs/bert_tiny/checkpoints --iteration 200 --output "
+    "hf/bert_tiny --dtype bf16": Run(replace=TINY),
+    "torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config runs/gpt2/config.yaml "
+    "data.paths=[data/corpus_gpt2_text_document] parallel.tensor_parallel_size=2 "
+    "training.train_iters=10": Run(),
+    "mkdir -p logs": Run(),
+    "sbatch scripts/slurm/pretrain_gpt.sbatch configs/gpt_8.3b.yaml [section.key=value ...]": (
+        Instead(
+            "bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_8.3b.yaml",
+            "a SLURM cluster: the script's dry mode",
+        )
+    ),
+    "REQUEUE=1 sbatch --nodes=4 --time=2-00:00:00 scripts/slurm/pretrain_gpt.sbatch "
+    "configs/gpt_8.3b.yaml": Instead(
+        "REQUEUE=1 NNODES=4 bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_8.3b.yaml",
+        "a SLURM cluster: the script's dry mode, 4 nodes",
+    ),
+    "LAUNCHER=srun sbatch --ntasks-per-node=8 scripts/slurm/pretrain_gpt.sbatch "
+    "configs/gpt_8.3b.yaml": Instead(
+        "LAUNCHER=srun bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_8.3b.yaml",
+        "a SLURM cluster: the script's dry mode, one task per GPU",
+    ),
+    "bash scripts/slurm/pretrain_gpt.sbatch --help": Run(),
+    "bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_tiny.yaml": Run(),
+    "NNODES=2 GPUS_PER_NODE=2 bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_tiny.yaml": (
+        Run()
+    ),
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "configs/gpt_tiny.yaml": Run(append=SHORT),
+}
+
+
+def _workspace(base: Path) -> Path:
+    """A new user's clone: the repository's files linked, the venv as .venv, no data or runs."""
+    ws = base / "clone"
+    ws.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in {".git", ".venv", "data", "runs", "logs", "gpu_check", "hf"}:
+            (ws / entry.name).symlink_to(entry)
+    (ws / ".venv").symlink_to(sys.prefix)
+    return ws
+
+
+def _user_files(ws: Path) -> None:
+    """What the docs assume a user brings: a gzipped corpus and GPT-2's tokenizer files (the
+    tests' small ones), the big configs' data (data/gpt2_text_document), prompts, an evaluation
+    text and a LAMBADA file, a Hugging Face GPT-2."""
+    from tools.make_sample_corpus import iter_documents
+
+    documents = iter(iter_documents())
+    lines = [json.dumps(next(documents)) for _ in range(400)]
+    (ws / "corpus").mkdir()
+    with gzip.open(ws / "corpus" / "part0.jsonl.gz", "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    shutil.copy(FIXTURES / "gpt2-vocab.json", ws / "gpt2-vocab.json")
+    shutil.copy(FIXTURES / "gpt2-merges.txt", ws / "gpt2-merges.txt")
+    (ws / "data").mkdir()
+    shutil.copy(FIXTURES / "gpt2-vocab.json", ws / "data" / "gpt2-vocab.json")
+    shutil.copy(FIXTURES / "gpt2-merges.txt", ws / "data" / "gpt2-merges.txt")
+    preprocess = [sys.executable, "tools/preprocess_data.py", "--input", "corpus/part0.jsonl.gz"]
+    preprocess += ["--output-prefix", "data/gpt2", "--tokenizer-type", "GPT2BPETokenizer"]
+    preprocess += ["--vocab-file", "data/gpt2-vocab.json", "--merge-file", "data/gpt2-merges.txt"]
+    subprocess.run([*preprocess, "--append-eod"], cwd=ws, check=True, capture_output=True)
+    (ws / "my-corpus.json").write_text("\n".join(lines) + "\n")
+    texts = [json.loads(line)["text"] for line in lines[:40]]
+    (ws / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t[:30]}) + "\n" for t in texts))
+    (ws / "wiki.test.tokens").write_text("\n".join(texts[:20]) + "\n")
+    lambada = [{"text": " ".join(t.split()[:12])} for t in texts if len(t.split()) > 12]
+    (ws / "lambada_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lambada))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab = json.loads((FIXTURES / "gpt2-vocab.json").read_text())
+    config = GPT2Config(vocab_size=len(vocab), n_positions=256, n_embd=64, n_layer=2, n_head=2)
+    hf = ws / "hf" / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(hf)
+    shutil.copy(FIXTURES / "gpt2-vocab.json", hf / "vocab.json")
+    shutil.copy(FIXTURES / "gpt2-merges.txt", hf / "merges.txt")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict:
+    ws = _workspace(tmp_path_factory.mktemp("newcomer"))
+    _user_files(ws)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.update(VIRTUAL_ENV=sys.prefix, OMP_NUM_THREADS="1")
+    return {"ws": ws, "env": env}
+
+
+def _shell(command: str, workspace: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=workspace["ws"],
+        env=workspace["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _what_runs(command: str, check: Run | Instead) -> str:
+    if isinstance(check, Instead):
+        return check.command
+    for old, new in check.replace:
+        command = command.replace(old, new)
+    return " ".join([command, *check.append])
+
+
+DOCUMENTED = documented_commands()
+
+
+def test_every_documented_command_has_a_check():
+    missing = [c for c in DOCUMENTED if c not in CHECKS]
+    stale = [c for c in CHECKS if c not in DOCUMENTED]
+    assert not missing, "documented commands without a check in CHECKS:\n" + "\n".join(missing)
+    assert not stale, "CHECKS entries no longer documented:\n" + "\n".join(stale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c in DOCUMENTED if c in CHECKS])
+def test_documented_command_works(command, workspace):
+    check = CHECKS[command]
+    if isinstance(check, Skip):
+        pytest.skip(check.why)
+    if isinstance(check, Covered):
+        path, name = check.test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{check.test} is gone"
+        return
+    done = _shell(_what_runs(command, check), workspace)
+    where = ", ".join(DOCUMENTED[command].where)
+    output = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{where}: `{command}` exited {done.returncode}\n{output}"
+    assert "Traceback" not in done.stderr, f"{where}: `{command}`\n{done.stderr[-3000:]}"
