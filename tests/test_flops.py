@@ -2,21 +2,22 @@
 
 import pytest
 
+from megatron.config.schema import ModelConfig
 from megatron.estimate.flops import flops_per_iteration
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_matches_megatron_closed_form(recompute):
     b, s, layers, h, v = 512, 1024, 72, 3072, 51200
-    got = flops_per_iteration(
+    model = ModelConfig(
         num_layers=layers,
         hidden_size=h,
-        ffn_hidden_size=4 * h,
+        num_attention_heads=24,
         seq_length=s,
-        padded_vocab_size=v,
-        global_batch_size=b,
-        recompute=recompute,
+        ffn_hidden_size=4 * h,
+        recompute="full" if recompute else "none",
     )
+    got = flops_per_iteration(model, v, b)
     if recompute:
         want = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
     else:

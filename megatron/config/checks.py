@@ -13,7 +13,8 @@ from megatron.errors import ConfigError
 # Numeric ranges, one table so every key is covered once; null values are not checked.
 _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
     model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
-    model.layernorm_epsilon parallel.tensor_parallel_size parallel.pipeline_parallel_size
+    model.layernorm_epsilon model.rotary_base model.num_query_groups model.kv_channels
+    parallel.tensor_parallel_size parallel.pipeline_parallel_size
     parallel.virtual_pipeline_size parallel.timeout_minutes
     parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
     training.train_iters training.train_samples training.eval_interval training.exit_interval
@@ -121,11 +122,59 @@ def _check_pipeline(cfg: Config) -> None:
         )
 
 
+_ROPE_SCALING = "factor low_freq_factor high_freq_factor original_max_position_embeddings".split()
+
+
+def _check_decoder(cfg: Config) -> None:
+    """Query groups against heads and TP; RoPE's options; what BERT's tied head cannot take."""
+    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
+    heads, groups = m.num_attention_heads, m.query_groups
+    if heads % groups:
+        raise ConfigError(
+            f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}; "
+            f"use {_divisors(heads)}"
+        )
+    if groups % tp:
+        raise ConfigError(
+            f"model.num_query_groups={groups} is not divisible by parallel.tensor_parallel_size="
+            f"{tp}: each TP rank holds whole key/value groups; use a TP size of {_divisors(groups)}"
+        )
+    rope = m.position_embedding_type == "rope"
+    if not 0 < m.rotary_percent <= 1:
+        raise ConfigError(f"model.rotary_percent={m.rotary_percent} must be in (0, 1]; fix it")
+    rotated = int(m.head_dim * m.rotary_percent)
+    if rope and (rotated == 0 or rotated % 2):
+        raise ConfigError(
+            f"model.rotary_percent={m.rotary_percent} of head_dim {m.head_dim} rotates {rotated} "
+            "channels; RoPE rotates channel pairs: choose a percent that gives an even count"
+        )
+    scaling = m.rope_scaling
+    if scaling is not None and not rope:
+        raise ConfigError(
+            "model.rope_scaling scales RoPE's frequencies and needs "
+            "model.position_embedding_type=rope; set rope_scaling to null or use rope"
+        )
+    if scaling is not None and (
+        sorted(scaling) != sorted(_ROPE_SCALING)
+        or min(scaling.values()) <= 0
+        or scaling["high_freq_factor"] <= scaling["low_freq_factor"]
+    ):
+        raise ConfigError(
+            f"model.rope_scaling={scaling} must be Llama 3.1's {{{', '.join(_ROPE_SCALING)}}}, "
+            "all positive, high_freq_factor above low_freq_factor (Llama 3.1: 8, 1, 4, 8192)"
+        )
+    if m.type == "bert" and m.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "model.untie_embeddings_and_output_weights=true is for GPT: BERT's MLM head is tied "
+            "to the word embedding; set it to false"
+        )
+
+
 def check_config(cfg: Config) -> None:
     """The checks that need neither the world size nor the file system."""
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.precision
     tp = cfg.parallel.tensor_parallel_size
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model."
             f"num_attention_heads={m.num_attention_heads}; use "
@@ -136,6 +185,7 @@ def check_config(cfg: Config) -> None:
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
             f"tensor_parallel_size={tp}; use {_multiples(m.ffn_hidden_size, tp)}"
         )
+    _check_decoder(cfg)
     _check_pipeline(cfg)
     if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
         raise ConfigError(

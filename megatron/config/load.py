@@ -51,6 +51,11 @@ def _match(value: Any, ann: Any) -> tuple[bool, Any]:
     if origin is list:
         items = [_match(v, get_args(ann)[0]) for v in value] if isinstance(value, list) else None
         return items is not None and all(ok for ok, _ in items), [v for _, v in items or ()]
+    if origin is dict:  # str keys, values of the value annotation
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return False, None
+        items = {k: _match(v, get_args(ann)[1]) for k, v in value.items()}
+        return all(ok for ok, _ in items.values()), {k: v for k, (_, v) in items.items()}
     if ann is type(None) or ann is bool or ann is str:
         return isinstance(value, ann), value
     if isinstance(value, bool):  # bool is an int subclass, but `true` is never a number here

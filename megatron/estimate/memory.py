@@ -1,16 +1,21 @@
 """Parameter count and per-GPU training memory of a config, from formulas (no model is built).
 
-Notation: L layers, h hidden, f ffn hidden, a heads, s sequence, b micro-batch, V padded vocab,
-P position rows, t tensor-parallel size, e bytes per element of the model dtype.
+Notation: L layers, h hidden, f ffn hidden, a heads, g query groups (``num_query_groups``,
+default a), d head dim (``kv_channels``, default h/a), s sequence, b micro-batch, V padded vocab,
+P position rows, t tensor-parallel size, e bytes per element of the model dtype; f' = 2f with
+SwiGLU (fc1 holds the gate and up projections), else f; n(x) = 2x for a LayerNorm over x, x for
+an RMSNorm. With the defaults (g = a, d = h/a, f' = f, LayerNorm) the formulas are GPT-2's.
 
-**Parameters** (every matrix of ``megatron/models`` has a bias):
+**Parameters** (biases, in brackets, with ``add_bias_linear``; QKV's also with ``add_qkv_bias``):
 
-    per layer   split over t:  qkv 3h*h + 3h, dense h*h, fc1 f*h + f, fc2 h*f
-                replicated:    dense bias h, fc2 bias h, two LayerNorms 4h        (= 6h)
-    embeddings  word V*h (split by vocab, and the tied LM head), position P*h (replicated)
-    final LN    2h (pre-LN only; post-LN ends in a layer's own LayerNorm)
-    BERT adds   token types T*h, LM head dense h*h + h, LN 2h, output bias V (split),
-                with post-LN the embedding LayerNorm 2h (original BERT's; pre-LN has none),
+    per layer   split over t:  qkv (a + 2g)d*h [+ (a + 2g)d], dense h*a*d, fc1 f'*h [+ f'], fc2 h*f
+                replicated:    dense and fc2 biases [2h], two norms 2n(h), QK norms 2n(d)
+    embeddings  word V*h (split by vocab, and the tied LM head), position P*h (learned only,
+                replicated)
+    final norm  n(h) (pre-LN only; post-LN ends in a layer's own norm)
+    output      V*h (split by vocab), with ``untie_embeddings_and_output_weights``
+    BERT adds   token types T*h, LM head dense h*h + h, norm n(h), output bias V (split),
+                with post-LN the embedding norm n(h) (original BERT's; pre-LN has none),
                 and with a binary head (sop/nsp) the pooler h*h + h and the classifier 2h + 2
 
 **Memory** of our implementation, per parameter held by this GPU: e bytes of weights, 4 of
@@ -36,6 +41,13 @@ elsewhere) store no probabilities: they keep their output (the dense layer's inp
 above) and the fp32 log-sum-exp (4*a*s*b/t), and recompute the rest in backward. That is the
 figure the fit uses; the 5as/h term (what unfused attention, e.g. the CPU math path with
 dropout, would add) is reported apart.
+The decoder options change the split terms: q, k, v and the dense input are (a + 2g)d + a*d
+elements (the fused QKV output, which v keeps alive, and the dense input), RoPE and QK norms
+make q and k new tensors ((a + g)d more; where a rank holds several groups of several heads, q
+is a copy, a*d, kept unless RoPE alone reads it), QK norms add their statistics per head, and
+SwiGLU keeps fc1's 2f outputs, SiLU's f and the product's f (4f where GeLU keeps 2f). An RMSNorm
+keeps its input and an fp32 rstd (4*s*b: the fused kernel torch runs on CUDA). RoPE's cos and
+sin (2*e*s*b*rot, rot = d * rotary_percent) are shared by a chunk's layers.
 With full recomputation a layer keeps only its input (e*s*b*h, replicated) and backward rebuilds
 one layer's working set at a time: L*e*s*b*h + one layer. Outside the layers: the embedding
 dropout mask, the final hidden states (the LM head's input; BERT's pooler keeps them through
@@ -75,7 +87,8 @@ sample masks), so its head terms and its logits scale with b*n instead.
 **Logits and loss**: the LM head's [tokens, V/t] logits in the model dtype and the vocab-parallel
 cross entropy's fp32 copy (reused for the softmax and the gradient) are alive together:
 (e + 4)*tokens*V/t. The tied embedding's ``.grad`` (e*V*h/t) lives from the LM head's backward
-until the embedding's, before the hook moves it into ``main_grad``.
+until the embedding's, before the hook moves it into ``main_grad``; an untied output layer's
+moves there as soon as it is made.
 
 FLOPs come from megatron/estimate/flops.py.
 """
@@ -118,6 +131,36 @@ class ParamCount:
         return self.split // self.tp_size + self.replicated
 
 
+def _norm(model: ModelConfig, dim: int) -> int:
+    """Parameters of one norm over ``dim``: weight and bias (LayerNorm), or weight (RMSNorm)."""
+    return 2 * dim if model.normalization == "layernorm" else dim
+
+
+def _norm_stats(model: ModelConfig) -> int:
+    """Bytes a norm keeps per normalised vector: fp32 mean and rstd (LayerNorm), or rstd."""
+    return 8 if model.normalization == "layernorm" else 4
+
+
+def _projections(model: ModelConfig) -> tuple[int, int, int]:
+    """Output widths of QKV ((a + 2g)d), of the attention (a*d, the dense input) and of fc1."""
+    heads, d = model.num_attention_heads, model.head_dim
+    fc1 = 2 * model.ffn_hidden_size if model.activation == "swiglu" else model.ffn_hidden_size
+    return (heads + 2 * model.query_groups) * d, heads * d, fc1
+
+
+def layer_parameters(model: ModelConfig) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of one transformer layer."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    qkv, attn, fc1 = _projections(model)
+    bias = model.add_bias_linear
+    split = qkv * h + h * attn + fc1 * h + h * f
+    split += (qkv if bias or model.add_qkv_bias else 0) + (fc1 if bias else 0)
+    replicated = (2 * h if bias else 0) + 2 * _norm(model, h)
+    if model.qk_layernorm:
+        replicated += 2 * _norm(model, model.head_dim)
+    return split, replicated
+
+
 def count_parameters(
     model: ModelConfig,
     padded_vocab_size: int,
@@ -144,27 +187,29 @@ def stage_parameters(
 ) -> ParamCount:
     """The parameters pipeline stage ``stage`` of ``pp_size`` holds (see the module docstring):
     its num_layers / pp layers, the embeddings on the first stage, the final LayerNorm and heads
-    on the last, which with pp > 1 holds its own copy of the word embedding for the tied head."""
-    h, f, v = model.hidden_size, model.ffn_hidden_size, padded_vocab_size
+    on the last, which with pp > 1 holds its own copy of the word embedding for the tied head
+    (or the untied output layer, at any pp)."""
+    h, v = model.hidden_size, padded_vocab_size
     layers = model.num_layers // pp_size
     first, last = stage == 0, stage == pp_size - 1
-    split = layers * ((3 * h * h + 3 * h) + h * h + (f * h + f) + h * f)
-    replicated = layers * 6 * h
+    layer_split, layer_replicated = layer_parameters(model)
+    split, replicated = layers * layer_split, layers * layer_replicated
     if first:
         split += v * h
-        replicated += model.max_position_embeddings * h
+        if model.position_embedding_type == "learned":
+            replicated += model.max_position_embeddings * h
         if model_type == "bert":
             replicated += num_tokentypes * h
             if model.layernorm_position == "post":
-                replicated += 2 * h  # the embedding LayerNorm
+                replicated += _norm(model, h)  # the embedding norm
     if last:
-        if pp_size > 1:
-            split += v * h  # the tied LM head's own copy of the word embedding
+        if pp_size > 1 or model.untie_embeddings_and_output_weights:
+            split += v * h  # the tied LM head's own copy of the word embedding, or the untied one
         if model.layernorm_position == "pre":
-            replicated += 2 * h
+            replicated += _norm(model, h)
         if model_type == "bert":
             split += v  # the LM head's output bias, split by vocabulary like the logits
-            replicated += (h * h + h) + 2 * h
+            replicated += (h * h + h) + _norm(model, h)
             if binary_head:
                 replicated += (h * h + h) + (2 * h + 2)
     return ParamCount(tp_size, split, replicated)
@@ -185,14 +230,23 @@ def layer_activation_bytes(
     ranks.
     """
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
-    f, a = model.ffn_hidden_size, model.num_attention_heads
+    f, d = model.ffn_hidden_size, model.head_dim
+    a, g = model.num_attention_heads, model.query_groups
     hidden_masks = 2 if model.hidden_dropout > 0 else 0
-    layernorm_stats = 2 * 8 * s * b  # fp32 mean and rstd of two LayerNorms
-    # The LayerNorms' inputs (the residual stream), the dropout masks and the statistics; then
+    stats = _norm_stats(model)
+    # The norms' inputs (the residual stream), the dropout masks and the statistics; then
     # the inputs of QKV and fc1, which the column-parallel layers keep whole (gathered).
-    sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + layernorm_stats
+    sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + 2 * stats * s * b
     column_inputs = 2 * s * b * h * elem_bytes
-    split = s * b * (4 * h + 2 * f) * elem_bytes
+    qkv, attn, _ = _projections(model)
+    rope = model.position_embedding_type == "rope"
+    # q reshaped from several groups is a copy, kept by what reads it unless that is RoPE.
+    copied_q = g // tp_size > 1 and a > g and (model.qk_layernorm or not rope)
+    kept = qkv + attn + (a + g) * d * (rope or model.qk_layernorm) + a * d * copied_q
+    kept += (4 if model.activation == "swiglu" else 2) * f
+    split = s * b * kept * elem_bytes
+    if model.qk_layernorm:
+        split += stats * s * b * (a + g)  # per head of q and k
     if fused_attention:
         split += 4 * a * s * b  # the log-sum-exp; the output is the dense input, counted above
     else:
@@ -269,7 +323,8 @@ def estimate_memory(
 
     # Outside the layers (the module docstring's terms): the first stage's, then the last's; what
     # sequence parallelism splits first, then the final hidden states, whole, and BERT's heads.
-    layernorm = e * sbh + 8 * tokens
+    stats = _norm_stats(m)
+    layernorm = e * sbh + stats * tokens
     embedding_side = (1 if m.hidden_dropout > 0 else 0) * sbh
     if model_type == "bert" and m.layernorm_position == "post":
         embedding_side += layernorm
@@ -277,20 +332,23 @@ def estimate_memory(
     if model_type == "gpt" or binary_head:
         head_side += e * sbh
     if model_type == "bert":
-        # MLM head: the dense, GeLU, LayerNorm and logit-matmul inputs, the LayerNorm statistics
-        head_side += 4 * e * head_tokens * m.hidden_size + 8 * head_tokens
+        # MLM head: the dense, GeLU, norm and logit-matmul inputs, the norm statistics
+        head_side += 4 * e * head_tokens * m.hidden_size + stats * head_tokens
     if binary_head:
         head_side += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
     layer = layer_activation_bytes(m, b, tp, e, sequence_parallel=sp)
     unfused = layer_activation_bytes(m, b, tp, e, False, sp)
     layer_input = seq_split(e * sbh)  # what full recomputation keeps
     chunk_layers = m.num_layers // (pp * chunks)
+    # RoPE's cos and sin, made once per chunk's forward for its layers
+    rope = 2 * e * tokens * int(m.head_dim * m.rotary_percent)
+    rope *= m.position_embedding_type == "rope"
 
     def held(per_layer: int) -> list[int]:
         """Bytes one micro-batch holds on each of this stage's chunks until its backward."""
         out = []
         for c in range(chunks):
-            n = chunk_layers * per_layer
+            n = chunk_layers * per_layer + rope
             n += seq_split(embedding_side) if first and c == 0 else 0
             # The loss chunk ends the micro-batch; every other chunk's schedule keeps its output
             # (the tensor sent on, [s, b, h]) until its backward.
@@ -298,6 +356,7 @@ def estimate_memory(
             out.append(n)
         return out
 
+    tied = not m.untie_embeddings_and_output_weights
     units = schedule_units(pp, chunks, cfg.training.global_batch_size // (b * dp_size), stage)
     vocab_local = padded_vocab_size // tp
     return MemoryEstimate(
@@ -305,7 +364,7 @@ def estimate_memory(
         main_grads=4 * params,
         main_params=0 if e == 4 else 4 * owned,  # fp32 parameters are their own main copy
         adam_moments=8 * owned,
-        embedding_grad=e * vocab_local * m.hidden_size if first or last else 0,
+        embedding_grad=e * vocab_local * m.hidden_size if (first or last) and tied else 0,
         activations_no_recompute=peak_held(units, held(layer)),
         activations_recompute=peak_held(units, held(layer_input)) + layer,
         unfused_attention_extra=unfused - layer,

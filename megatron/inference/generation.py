@@ -82,7 +82,7 @@ def generate(
     seeded alike. ``stop_at_eod=False`` keeps going through end-of-document tokens (benchmarks,
     comparisons with a reference that ignores them). One host sync per step (the stop check).
     """
-    max_positions = model.embedding.position.num_embeddings
+    max_positions = model.max_positions
     check_prompts(prompts, max_positions)
     if not prompts:
         return []

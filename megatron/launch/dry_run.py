@@ -190,8 +190,9 @@ def _report_memory(
     extra = mem.unfused_attention_extra
     held_layers = m.num_layers // (pp * (cfg.parallel.virtual_pipeline_size or 1)) * mem.in_flight
     out.write(
-        "  activations per layer: Korthikanti et al. 2022 (s*b*h*(10 + 24/t + 5*a*s/(h*t)) for\n"
-        "    e = 2, f = 4h) with fused attention: s*b*h*(4e + 2 masks) + 16*s*b\n"
+        "  activations per layer (GPT-2's shape; the other model.* options: see\n"
+        "    megatron/estimate/memory.py): Korthikanti et al. 2022 (s*b*h*(10 + 24/t +\n"
+        "    5*a*s/(h*t)) for e = 2, f = 4h) with fused attention: s*b*h*(4e + 2 masks) + 16*s*b\n"
         "    + [s*b*(4h + 2f)*e + 4*a*s*b] / t; full recomputation keeps L layer inputs\n"
         "    (e*s*b*h each) plus one layer's working set. Unfused attention (probabilities\n"
         f"    materialised, the 5*a*s/(h*t) term) would add {held_layers * extra / GIB:.2f} GiB\n"
@@ -203,7 +204,8 @@ def _report_memory(
             "    min(p - s, m) on stage s; interleaved: min(2(p-s-1) + (v-1)p + 1, m*v) chunks\n"
             "    of L/(p*v) layers), each but the last stage's last chunk also keeping its output\n"
             "    (e*s*b*h) until its backward. The first stage holds the embeddings; the last the\n"
-            "    final LayerNorm, the LM head with its own word embedding copy, and the logits.\n"
+            "    final norm, the LM head with its own word embedding copy (or the untied output\n"
+            "    layer), and the logits.\n"
         )
     if cfg.parallel.sequence_parallel:
         out.write(

@@ -7,10 +7,12 @@
     h[:, 0] ([CLS])      --> pooler: dense, tanh --> binary head (h -> 2)  --> SOP / NSP logits
 
 Pre-LN by default; ``model.layernorm_position=post`` gives the original BERT arrangement, which
-also normalises the embedding sum (pre-LN normalises it in the first layer instead). The MLM
-head's last matmul reuses the vocab-split word table, so its logits and its output bias are split
-by vocabulary like the embedding; the pooler, the head's dense and LayerNorm and the binary head
-are small and replicated, and see replicated activations, so every TP rank computes them alike.
+also normalises the embedding sum (pre-LN normalises it in the first layer instead). The decoder
+options (RoPE, RMSNorm, SwiGLU, query groups, biases, QK norms) apply as they do to GPT. The MLM
+head's last matmul reuses the vocab-split word table (always tied), so its logits and its output
+bias are split by vocabulary like the embedding; the pooler, the head's dense and norm and the
+binary head are small and replicated, and see replicated activations, so every TP rank computes
+them alike.
 
 With ``sequence_parallel`` the embedding output and the transformer's activations are split along
 the sequence over TP; the transformer's output is gathered before the heads, which see it
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.embedding import Embedding
-from megatron.models.transformer import TransformerStack, gelu, layer_norm
+from megatron.models.transformer import TransformerStack, gelu, norm_layer
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.layers import normal_init
@@ -66,7 +68,7 @@ class BertLMHead(nn.Module):
         h = cfg.hidden_size
         self.group, self.activation = state.tp_group, cfg.activation
         self.dense = _linear(cfg, h, h, tracker.init_generator(LM_HEAD), state.device)
-        self.layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon, device=state.device)
+        self.layernorm = norm_layer(cfg, state, False)
         vocab_per_partition = padded_vocab_size // state.tp_size
         self.bias = nn.Parameter(torch.zeros(vocab_per_partition, device=state.device))
         self.bias.tp_split_dim = 0
@@ -116,7 +118,7 @@ class BertModel(nn.Module):
             # Original BERT drops out the *normalised* embedding sum: the dropout moves here.
             embedding_cfg = dataclasses.replace(cfg, hidden_dropout=0.0)
             if self.pre_process:
-                self.embedding_ln = layer_norm(cfg, state, sequence_parallel)
+                self.embedding_ln = norm_layer(cfg, state, sequence_parallel)
         self.embedding = None
         if self.pre_process or self.post_process:
             self.embedding = Embedding(
@@ -170,7 +172,8 @@ class BertModel(nn.Module):
         # layer's attention would convert it again and keep its own copy for backward.
         attend = torch.zeros(padding.shape, dtype=hidden.dtype, device=hidden.device)
         attend = attend.masked_fill_(padding, float("-inf"))
-        x = self.transformer(hidden, attend, chunk=chunk)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # RoPE's
+        x = self.transformer(hidden, attend, chunk=chunk, position_ids=positions)
         if not (self.post_process and chunk == self.num_chunks - 1):
             return x, None  # to the next pipeline stage
         # The heads' consumers are replicated (the LM head's f sums its input gradient), so the

@@ -60,19 +60,22 @@ def _fused_flex():
 def attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, dropout: float, causal: bool
 ) -> Tensor:
-    """Scaled dot-product attention of [b, heads, s, head_dim] q, k, v under ``mask``.
+    """Scaled dot-product attention of q [b, heads, s, head_dim] and k, v [b, groups, s,
+    head_dim] under ``mask``: query head i attends with key/value head i // (heads / groups),
+    which both kernels read without materialising the repeated k and v (``enable_gqa``).
 
     A BlockMask goes to flex attention, which has no dropout (``uses_flex`` sees to that).
     Any other mask, or ``causal`` with none, goes to ``scaled_dot_product_attention``.
     """
+    gqa = q.shape[1] != k.shape[1]
     if BlockMask is not None and isinstance(mask, BlockMask):
         if dropout:
             raise ValueError("flex attention has no dropout; use the additive document mask")
         if torch.compiler.is_compiling() or not q.is_cuda:
             # In a compiled layer dynamo fuses it into the layer's graph; on CPU the eager
             # (unfused, exact) form is what the tests check the mask with.
-            return flex_attention(q, k, v, block_mask=mask)
-        return _fused_flex()(q, k, v, block_mask=mask)
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _fused_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, enable_gqa=gqa
     )

@@ -1,4 +1,5 @@
-"""Input embeddings shared by GPT and BERT: word (vocab-parallel) + position (+ token type)."""
+"""Input embeddings shared by GPT and BERT: word (vocab-parallel) + learned position (+ token
+type)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,21 @@ from megatron.parallel.state import ParallelState
 
 
 class Embedding(nn.Module):
-    """Sum of word, learned position and optional token-type embeddings, then dropout.
+    """Sum of word, learned position (``model.position_embedding_type=learned``; RoPE and none
+    have no table) and optional token-type embeddings, then dropout.
 
-    The word table is split by vocabulary across TP ranks (and reused as the LM head); position
-    and token-type tables are small and replicated, and the output is replicated, so its dropout
-    draws from the shared generator and matches across TP ranks. With ``sequence_parallel`` the
-    sum is scattered along the sequence before the dropout, which keeps this rank's slice of the
-    same mask: the output is this rank's [b, s / tp, h].
+    The word table is split by vocabulary across TP ranks (and reused as the LM head unless
+    ``untie_embeddings_and_output_weights``); position and token-type tables are small and
+    replicated, and the output is replicated, so its dropout draws from the shared generator and
+    matches across TP ranks. With ``sequence_parallel`` the sum is scattered along the sequence
+    before the dropout, which keeps this rank's slice of the same mask: the output is this
+    rank's [b, s / tp, h].
 
     In a pipeline the first stage holds it all; the last (another stage) only the word table,
-    the tied LM head's copy; the others none of it. Each table draws from its own stream
-    (``tracker.init_generator``), so both copies start equal. They carry ``pipeline_tied`` so
-    that their gradients are summed over ``state.embedding_group`` and the gradient norm counts
-    them once (on the first stage).
+    the tied LM head's copy (none when untied); the others none of it. Each table draws from its
+    own stream (``tracker.init_generator``), so both copies start equal. They carry
+    ``pipeline_tied`` so that their gradients are summed over ``state.embedding_group`` and the
+    gradient norm counts them once (on the first stage).
     """
 
     def __init__(
@@ -53,11 +56,13 @@ class Embedding(nn.Module):
         self.word = VocabParallelEmbedding(
             vocab_size, padded_vocab_size, h, state, init(WORD_EMBEDDING)
         )
-        if state.pp_size > 1:
+        if state.pp_size > 1 and not cfg.untie_embeddings_and_output_weights:
             self.word.weight.pipeline_tied = True
         self.position = self.tokentype = None
         if state.is_first_stage:
-            self.position = _table(cfg.max_position_embeddings, h, init(POSITION_EMBEDDING), state)
+            if cfg.position_embedding_type == "learned":
+                rows = cfg.max_position_embeddings
+                self.position = _table(rows, h, init(POSITION_EMBEDDING), state)
             if num_tokentypes:
                 self.tokentype = _table(num_tokentypes, h, init(TOKENTYPE_EMBEDDING), state)
         self.dropout = cfg.hidden_dropout
@@ -67,7 +72,9 @@ class Embedding(nn.Module):
     ) -> Tensor:
         if position_ids is None:
             position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # [1, s]
-        h = self.word(ids) + self.position(position_ids)  # [b, s, h]
+        h = self.word(ids)  # [b, s, h]
+        if self.position is not None:
+            h = h + self.position(position_ids)
         if self.tokentype is not None:
             h = h + self.tokentype(tokentype_ids)
         h = scatter_seq(h, self.seq_group)  # [b, s / tp, h] with sequence parallelism

@@ -1,4 +1,5 @@
-"""GPT: embeddings, a causal pre-LN transformer, and an LM head tied to the word embeddings."""
+"""GPT: embeddings, a causal pre-LN transformer, and an LM head tied to the word embeddings, or
+(``model.untie_embeddings_and_output_weights``) an output layer of its own: Llama's layout."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from megatron.models.embedding import Embedding
 from megatron.models.kv_cache import KVCache
 from megatron.models.transformer import TransformerStack
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.parallel.layers import VocabParallelEmbedding, normal_init
 from megatron.parallel.mappings import copy_to_tp, gather_seq_to_tp
-from megatron.parallel.random import RNGTracker
+from megatron.parallel.random import OUTPUT_LAYER, RNGTracker
 from megatron.parallel.state import ParallelState
 
 
@@ -30,10 +32,10 @@ class GPTModel(nn.Module):
     Decoding with a KV cache needs a model built without it.
 
     In a pipeline (``state.pp_size > 1``) this is one stage, in ``chunks`` model chunks
-    (interleaved 1F1B): the first stage holds the embeddings, the last the final LayerNorm, the
+    (interleaved 1F1B): the first stage holds the embeddings, the last the final norm, the
     LM head and the loss, with its own copy of the word table for the tied head (see
-    ``Embedding``); its layers keep their global names (``transformer.layers.<i>``). A stage
-    builds and draws only what it holds.
+    ``Embedding``) or the untied ``output_layer``; its layers keep their global names
+    (``transformer.layers.<i>``). A stage builds and draws only what it holds.
     """
 
     def __init__(
@@ -50,14 +52,24 @@ class GPTModel(nn.Module):
         self.vocab_size, self.tp_group = vocab_size, state.tp_group
         self.sequence_parallel = sequence_parallel and state.tp_size > 1
         self.attention_dropout = cfg.attention_dropout  # flex attention has none
+        self.max_positions = cfg.max_position_embeddings  # the longest sequence it takes
         self.pre_process, self.post_process = state.is_first_stage, state.is_last_stage
         self.num_chunks = chunks
         # Called whole (no pipeline, or one chunk on the last stage) the model returns the loss.
         self.computes_loss = self.post_process and chunks == 1
-        self.embedding = None
-        if self.pre_process or self.post_process:
+        tied = not cfg.untie_embeddings_and_output_weights
+        self.embedding = self.output_layer = None
+        if self.pre_process or (self.post_process and tied):
             self.embedding = Embedding(
                 cfg, vocab_size, padded_vocab_size, state, tracker, 0, sequence_parallel
+            )
+        if self.post_process and not tied:
+            # The untied head: a vocabulary-split table like the word embedding (padded alike,
+            # flagged vocab_padded for resharding, from a stream of its own), used through its
+            # weight as the tied head uses the word table.
+            init = normal_init(cfg.init_method_std, tracker.init_generator(OUTPUT_LAYER))
+            self.output_layer = VocabParallelEmbedding(
+                vocab_size, padded_vocab_size, cfg.hidden_size, state, init
             )
         self.transformer = TransformerStack(
             cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
@@ -78,8 +90,8 @@ class GPTModel(nn.Module):
         activation [b, s, h] ([b, s / tp, h] split) unless it is the last stage's last chunk."""
         if kv_cache is not None and self.sequence_parallel:
             raise ValueError("a KV cache needs a model built without sequence_parallel")
-        if kv_cache is not None and position_ids is None:
-            start = kv_cache.length
+        if position_ids is None:
+            start = 0 if kv_cache is None else kv_cache.length
             position_ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
         if self.pre_process and chunk == 0:
             hidden = self.embedding(tokens, position_ids)  # [b, s, h]
@@ -90,13 +102,15 @@ class GPTModel(nn.Module):
             dropout = self.attention_dropout if self.training else 0.0
             flex = uses_flex(hidden.device, dropout)
             mask = document_mask(document_ids, hidden.dtype, flex)  # BlockMask, or [b, 1, s, s]
-        h = self.transformer(hidden, mask, kv_cache, chunk)  # [b, s, h], or [b, s / tp, h] split
+        h = self.transformer(hidden, mask, kv_cache, chunk, position_ids)  # [b, s (/ tp), h]
         if not (self.post_process and chunk == self.num_chunks - 1):
             return h  # to the next pipeline stage
-        # The tied head is a column-parallel matmul with the vocab-split embedding table, entered
-        # through f; with sequence parallelism that f also gathers the sequence back.
+        # The head is a column-parallel matmul with the vocab-split table (the word embedding's,
+        # or the untied output layer's), entered through f; with sequence parallelism that f
+        # also gathers the sequence back.
+        table = self.embedding.word if self.output_layer is None else self.output_layer
         enter = gather_seq_to_tp if self.sequence_parallel else copy_to_tp
-        logits = F.linear(enter(h, self.tp_group), self.embedding.word.weight)
+        logits = F.linear(enter(h, self.tp_group), table.weight)
         if labels is None:
             return logits
         # The logits are this call's own temporary, so the loss may overwrite them.
@@ -109,6 +123,6 @@ class GPTModel(nn.Module):
         attention = self.transformer.layers[0].attention
         weight = self.embedding.word.weight
         return KVCache(
-            len(self.transformer.layers), batch_size, attention.heads_per_partition, max_length,
+            len(self.transformer.layers), batch_size, attention.groups_per_partition, max_length,
             attention.head_dim, weight.dtype, weight.device,
         )  # fmt: skip

@@ -1,7 +1,8 @@
 """Key/value cache for incremental decoding through the tensor-parallel attention.
 
-Each TP rank caches only its own heads: ``[b, heads_per_partition, max_length, head_dim]`` per
-layer, so the cache is split like the QKV matrix and decoding needs no extra communication. A
+Each TP rank caches only its own key/value heads, one per query group (grouped-query attention):
+``[b, groups_per_partition, max_length, head_dim]`` per layer, so the cache is split like the
+QKV matrix and decoding needs no extra communication. Keys are cached rotated (RoPE). A
 forward pass over ``s`` new positions appends their keys and values at ``length`` and attends
 over everything cached so far; the stack then advances ``length`` by ``s``.
 """
@@ -19,21 +20,21 @@ class KVCache:
         self,
         num_layers: int,
         batch_size: int,
-        heads_per_partition: int,
+        groups_per_partition: int,
         max_length: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        shape = (num_layers, batch_size, heads_per_partition, max_length, head_dim)
+        shape = (num_layers, batch_size, groups_per_partition, max_length, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.max_length = max_length
         self.length = 0  # positions cached, the same for every layer between forward passes
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``k``, ``v`` ([b, heads_per_partition, s, head_dim]) after the cached positions
-        of ``layer``; return that layer's keys and values so far, [b, heads, length + s, dim]."""
+        """Store ``k``, ``v`` ([b, groups_per_partition, s, head_dim]) after the cached positions
+        of ``layer``; return that layer's keys and values so far, [b, groups, length + s, dim]."""
         end = self.length + k.shape[2]
         if end > self.max_length:
             raise ValueError(f"KV cache holds {self.max_length} positions; {end} were asked for")

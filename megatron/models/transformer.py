@@ -2,6 +2,8 @@
 
 Per layer, attention and MLP each open a parallel region with a column-parallel matrix (f) and
 close it with a row-parallel one (g): two all-reduces forward and two backward, nothing else.
+The config names the architecture (``model.*``): LayerNorm or RMSNorm, learned positions or RoPE,
+GeLU or SwiGLU, grouped-query attention and its head width, the biases, QK norms.
 
 With ``sequence_parallel`` the activations between the regions (LayerNorms, dropouts, residual
 adds) are each rank's slice of the sequence, [b, s / tp, h]: f all-gathers along the sequence and
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 
 from megatron.models.document_mask import BlockMask, attention
 from megatron.models.kv_cache import KVCache
+from megatron.models.rope import RotaryEmbedding, apply_rotary
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.layers import (
     ColumnParallelLinear,
@@ -32,12 +35,17 @@ from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 
 
-def layer_norm(cfg, state: ParallelState, sequence_parallel: bool) -> nn.LayerNorm:
-    """A LayerNorm over the hidden size; flagged when it sees sequence-split activations."""
-    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
+def norm_layer(
+    cfg, state: ParallelState, sequence_parallel: bool, dim: int | None = None
+) -> nn.Module:
+    """A ``model.normalization`` norm over ``dim`` (the hidden size unless given); flagged when it
+    sees sequence-split activations. torch's RMSNorm computes in fp32 and casts back, as
+    transformers' LlamaRMSNorm does (bit for bit in fp32)."""
+    kind = nn.RMSNorm if cfg.normalization == "rmsnorm" else nn.LayerNorm
+    norm = kind(dim or cfg.hidden_size, eps=cfg.layernorm_epsilon, device=state.device)
     if sp.sequence_group(state, sequence_parallel) is not None:
-        sp.mark_sequence_parallel(*ln.parameters())
-    return ln
+        sp.mark_sequence_parallel(*norm.parameters())
+    return norm
 
 
 def init_methods(cfg, generator: torch.Generator) -> tuple[InitMethod, InitMethod]:
@@ -48,11 +56,18 @@ def init_methods(cfg, generator: torch.Generator) -> tuple[InitMethod, InitMetho
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head self-attention with whole heads per TP rank.
+    """Self-attention with whole query groups per TP rank: the heads / groups query heads of a
+    group share its key and value head (grouped-query attention; one group per head is
+    multi-head attention, one group multi-query).
 
-    The fused QKV matrix orders its output rows [head, (q, k, v), head_dim], so a contiguous
-    column split hands each rank the q, k and v of its own heads. With ``sequence_parallel`` the
-    input and output are this rank's sequence slice; attention itself sees the whole sequence.
+    The fused QKV matrix orders its output rows [group, (q x heads / groups, k, v), head_dim]
+    ([head, (q, k, v), head_dim] with a group per head), so a contiguous column split hands each
+    rank the queries, key and value of its own groups. With ``sequence_parallel`` the input and
+    output are this rank's sequence slice; attention itself sees the whole sequence.
+
+    ``qk_layernorm``: q and k are normalised over head_dim, each head alike (one replicated
+    weight each), before RoPE. Each TP rank's heads contribute only their part of those weights'
+    gradients, so they are flagged for the TP all-reduce as sequence-split parameters are.
     """
 
     def __init__(
@@ -66,33 +81,61 @@ class ParallelAttention(nn.Module):
     ):
         super().__init__()
         self.kv_slot = kv_slot
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        h, d = cfg.hidden_size, cfg.head_dim
+        heads, groups = cfg.num_attention_heads, cfg.query_groups
         self.heads_per_partition = heads // state.tp_size
-        self.head_dim = h // heads
+        self.groups_per_partition = groups // state.tp_size
+        self.q_per_group, self.head_dim = heads // groups, d
         self.dropout = cfg.attention_dropout
         self.tracker = tracker
         init, out_init = init_methods(cfg, generator)
-        self.qkv = ColumnParallelLinear(h, 3 * h, state, init, sequence_parallel=sequence_parallel)
-        self.dense = RowParallelLinear(h, h, state, out_init, sequence_parallel=sequence_parallel)
+        qkv_bias, bias = cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear
+        self.qkv = ColumnParallelLinear(
+            h, (heads + 2 * groups) * d, state, init, qkv_bias, sequence_parallel=sequence_parallel
+        )
+        self.dense = RowParallelLinear(
+            heads * d, h, state, out_init, bias, sequence_parallel=sequence_parallel
+        )
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:
+            self.q_norm, self.k_norm = (norm_layer(cfg, state, False, d) for _ in "qk")
+            if state.tp_size > 1:
+                sp.mark_sequence_parallel(*self.q_norm.parameters(), *self.k_norm.parameters())
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
+        self,
+        x: Tensor,
+        attn_mask: Tensor | BlockMask | None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         """``attn_mask``: None (causal), an SDPA mask, or a document BlockMask (see
-        ``document_mask``). ``kv_cache``: attend over the cached positions too, and cache these
-        (decoding)."""
-        qkv = self.qkv(x)  # [b, s, 3 * h / tp]: the whole sequence, gathered if x is split
+        ``document_mask``). ``rotary``: RoPE's (cos, sin) of these positions. ``kv_cache``:
+        attend over the cached positions too, and cache these (decoding)."""
+        qkv = self.qkv(x)  # [b, s, (heads + 2 groups) * head_dim / tp]: the whole sequence
         b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, self.heads_per_partition, 3, self.head_dim)
-        # Unbind the (q, k, v) axis where it lies: backward then stacks the three gradients
-        # straight into this layout, where unbinding a permuted view costs one more full copy.
-        # each [b, heads_per_partition, s, head_dim]
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
+        qkv = qkv.view(b, s, self.groups_per_partition, self.q_per_group + 2, self.head_dim)
+        # Split the (q, k, v) axis where it lies: backward then concatenates the gradients
+        # straight into this layout, where splitting a permuted view costs one more full copy.
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        # [b, s, heads_per_partition, head_dim]: a copy where the rank holds several groups of
+        # several heads, else a view
+        q = q.reshape(b, s, self.heads_per_partition, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)  # [b, s, groups_per_partition, head_dim]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            # Before the transpose: new tensors then keep the [b, s, heads, head_dim] memory
+            # order of the views they replace, so attention's output stays one too, and the
+            # dense layer's input a view of it.
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # [b, heads_per_partition, s, head_dim]; k and v [b, groups_per_partition, s, head_dim]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         causal = attn_mask is None
         if kv_cache is not None:
             attn_mask = kv_cache.causal_mask(s, x.device)
             causal = attn_mask is None and kv_cache.length == 0
-            k, v = kv_cache.append(self.kv_slot, k, v)  # [b, heads_pp, cached + s, head_dim]
+            k, v = kv_cache.append(self.kv_slot, k, v)  # [b, groups_pp, cached + s, head_dim]
         dropout = self.dropout if self.training else 0.0
         if dropout == 0.0:
             # Nothing is drawn, so the RNG fork is skipped: it swaps generator states, which
@@ -109,25 +152,41 @@ class ParallelAttention(nn.Module):
 
 def gelu(x: Tensor, activation: str) -> Tensor:
     """``model.activation``: "gelu" is exact (erf); "gelu_tanh" is the tanh approximation that
-    released GPT-2 weights were trained with (HF's ``gelu_new``)."""
+    released GPT-2 weights were trained with (HF's ``gelu_new``). BERT's LM-head transform keeps
+    exact GeLU under "swiglu" MLPs."""
     return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel)."""
+    """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel); or SwiGLU: fc1 is the gate and
+    up projections h -> 2 ffn, then SiLU(gate) * up -> fc2.
+
+    SwiGLU's fc1 interleaves its output rows [ffn, (gate, up)], so a contiguous column split
+    hands each rank matching gate and up slices (as the QKV layout does the heads' q, k, v), and
+    resharding splits it like any column-parallel matrix.
+    """
 
     def __init__(
         self, cfg, state: ParallelState, generator: torch.Generator, sequence_parallel: bool = False
     ):
         super().__init__()
         self.activation = cfg.activation
-        h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+        h, ffn, bias = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear
+        fc1 = 2 * ffn if self.activation == "swiglu" else ffn
         init, out_init = init_methods(cfg, generator)
-        self.fc1 = ColumnParallelLinear(h, ffn, state, init, sequence_parallel=sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn, h, state, out_init, sequence_parallel=sequence_parallel)
+        self.fc1 = ColumnParallelLinear(
+            h, fc1, state, init, bias, sequence_parallel=sequence_parallel
+        )
+        self.fc2 = RowParallelLinear(
+            ffn, h, state, out_init, bias, sequence_parallel=sequence_parallel
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(gelu(self.fc1(x), self.activation))
+        y = self.fc1(x)  # [b, s, ffn / tp], SwiGLU [b, s, 2 ffn / tp]
+        if self.activation == "swiglu":
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each [b, s, ffn / tp]
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(gelu(y, self.activation))
 
 
 class TransformerLayer(nn.Module):
@@ -152,26 +211,30 @@ class TransformerLayer(nn.Module):
         self.pre_ln = cfg.layernorm_position == "pre"
         generator = tracker.init_generator(index)
         kv_slot = index if kv_slot is None else kv_slot
-        self.ln1 = layer_norm(cfg, state, sequence_parallel)
+        self.ln1 = norm_layer(cfg, state, sequence_parallel)
         self.attention = ParallelAttention(
             cfg, state, tracker, generator, kv_slot, sequence_parallel
         )
-        self.ln2 = layer_norm(cfg, state, sequence_parallel)
+        self.ln2 = norm_layer(cfg, state, sequence_parallel)
         self.mlp = ParallelMLP(cfg, state, generator, sequence_parallel)
         self.dropout = cfg.hidden_dropout
         self.seq_group = sp.sequence_group(state, sequence_parallel)
 
     def forward(
-        self, x: Tensor, attn_mask: Tensor | BlockMask | None, kv_cache: KVCache | None = None
+        self,
+        x: Tensor,
+        attn_mask: Tensor | BlockMask | None,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         # The sublayer outputs are replicated across TP ranks, so this dropout uses the shared
         # generator and every rank drops the same elements; split along the sequence, each rank
         # keeps its slice of that same mask.
         drop = lambda t: sp.dropout(t, self.dropout, self.training, self.seq_group)  # noqa: E731
         if self.pre_ln:
-            x = x + drop(self.attention(self.ln1(x), attn_mask, kv_cache))
+            x = x + drop(self.attention(self.ln1(x), attn_mask, rotary, kv_cache))
             return x + drop(self.mlp(self.ln2(x)))
-        x = self.ln1(x + drop(self.attention(x, attn_mask, kv_cache)))
+        x = self.ln1(x + drop(self.attention(x, attn_mask, rotary, kv_cache)))
         return self.ln2(x + drop(self.mlp(x)))
 
 
@@ -196,9 +259,10 @@ class LayerSlots(nn.Module):
 
 
 class TransformerStack(nn.Module):
-    """N layers, a final LayerNorm when pre-LN, optional full activation recomputation, and
+    """N layers, a final norm when pre-LN, optional full activation recomputation, and
     optional ``torch.compile`` of each layer (``model.compile``). With ``sequence_parallel``
-    its input and output are this rank's sequence slice.
+    its input and output are this rank's sequence slice. With RoPE it turns the position ids
+    into the rotations every layer applies.
 
     ``chunks`` (a pipeline stage): the global indices of the layers this stage holds, one range
     per model chunk; ``forward(chunk=c)`` runs chunk c's. Only those layers are built, each from
@@ -224,7 +288,10 @@ class TransformerStack(nn.Module):
         self.chunk_slices = [slice(slots[c[0]], slots[c[-1]] + 1) for c in chunks]
         self.final_ln = None
         if cfg.layernorm_position == "pre" and cfg.num_layers - 1 in held:
-            self.final_ln = layer_norm(cfg, state, sequence_parallel)
+            self.final_ln = norm_layer(cfg, state, sequence_parallel)
+        self.rotary = None
+        if cfg.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(cfg, state.device)
         self.recompute = cfg.recompute == "full"
         self.tracker = tracker
         # Regional compilation (model.compile): each layer on its own, so layers share one
@@ -238,9 +305,12 @@ class TransformerStack(nn.Module):
         attn_mask: Tensor | BlockMask | None = None,
         kv_cache: KVCache | None = None,
         chunk: int = 0,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Chunk ``chunk``'s layers (all of them without a pipeline). ``kv_cache`` (inference):
-        each layer attends over and extends it; it then counts the new positions as cached."""
+        each layer attends over and extends it; it then counts the new positions as cached.
+        ``position_ids`` [b or 1, s] (whole sequences): RoPE's positions; RoPE needs them."""
+        rotary = None if self.rotary is None else self.rotary(position_ids, x.dtype)
         layers = list(self.layers)
         if self.compiled is not None and kv_cache is None:
             layers = self.compiled
@@ -250,11 +320,12 @@ class TransformerStack(nn.Module):
                     layer,
                     x,
                     attn_mask,
+                    rotary,
                     use_reentrant=False,
                     context_fn=self.tracker.recompute_context,
                 )
             else:
-                x = layer(x, attn_mask, kv_cache)
+                x = layer(x, attn_mask, rotary, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(x.shape[1])
         last = chunk == len(self.chunk_slices) - 1

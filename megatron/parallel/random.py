@@ -31,6 +31,7 @@ TP_SEED_OFFSET = 2718
 WORD_EMBEDDING, POSITION_EMBEDDING, TOKENTYPE_EMBEDDING, LM_HEAD, POOLER, BINARY_HEAD = range(
     2**32, 2**32 + 6
 )
+OUTPUT_LAYER = 2**32 + 6  # GPT's untied LM head
 
 
 def default_generator(device: torch.device) -> torch.Generator:

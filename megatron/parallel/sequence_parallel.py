@@ -5,7 +5,8 @@ residual adds) are split along the sequence over the TP group (Korthikanti et al
 all-gathers and reduce-scatters are in ``mappings``). Two things follow:
 
 - A replicated parameter applied to split activations (a LayerNorm's weight and bias, a
-  row-parallel bias) gets from each rank only the gradient of that rank's tokens. Such a parameter
+  row-parallel bias) gets from each rank only the gradient of that rank's tokens (as QK norms,
+  at any TP size, get that of the rank's heads: they are flagged alike). Such a parameter
   carries ``sequence_parallel = True`` (besides having no ``tp_split_dim``: it stays replicated),
   and ``allreduce_sequence_parallel_grads`` sums those gradients over TP after backward, before
   clipping, so every rank then holds the full, identical gradient.

@@ -93,8 +93,9 @@ class TrainLoop:
                 step.add(values)
         self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
         # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
-        # slice of the sequence only; one all-reduce over TP sums them before clipping.
-        if self.cfg.parallel.sequence_parallel:  # else no parameter is flagged: skip the scan
+        # slice of the sequence only (QK norms': its heads); one all-reduce over TP sums them
+        # before clipping. Else no parameter is flagged: skip the scan.
+        if self.cfg.parallel.sequence_parallel or self.cfg.model.qk_layernorm:
             allreduce_sequence_parallel_grads(self.train.model, self.state.tp_group)
         # A logged step's memory: host-side reads, after backward and before the update.
         logged = self.logs_at(self.train.progress.iteration + 1)

@@ -119,15 +119,7 @@ class Workload:
     @classmethod
     def of(cls, cfg: Config, padded_vocab_size: int, world_size: int) -> Workload:
         m, t = cfg.model, cfg.training
-        flops = flops_per_iteration(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            ffn_hidden_size=m.ffn_hidden_size,
-            seq_length=m.seq_length,
-            padded_vocab_size=padded_vocab_size,
-            global_batch_size=t.global_batch_size,
-            recompute=m.recompute == "full",
-        )
+        flops = flops_per_iteration(m, padded_vocab_size, t.global_batch_size)
         tokens = t.global_batch_size * m.seq_length
         return cls(t.train_iters, tokens, flops, world_size)
 
