@@ -14,8 +14,9 @@ with the venv first on PATH, as the README says to activate it:
 - ``Covered(test)``: run as written by another test;
 - ``Skip(why)``: the install and test commands, which are what CI itself runs, and the GPU check.
 
-A documented command without an entry, or an entry whose command is no longer documented, fails
-the test: the docs and their checks change together.
+The commands run in one process, in order (under xdist: ``--dist loadfile``, as the README's
+test command says). A documented command without an entry, or an entry whose command is no
+longer documented, fails the test: the docs and their checks change together.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
         "written, shortened",
     ),
     "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -r requirements-dev.txt && "
-    ".venv/bin/python -m pytest -q": Skip("the test command: CI runs exactly this"),
+    ".venv/bin/python -m pytest -q -n 2 --dist loadfile": Skip(
+        "the test command: CI runs exactly this"
+    ),
     "torchrun --standalone --nproc-per-node 8 pretrain_gpt.py --config configs/gpt_8.3b.yaml": (
         Instead(
             "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --preflight --world-size 8",
