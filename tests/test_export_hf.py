@@ -291,3 +291,17 @@ def test_verify_without_transformers_is_refused_before_writing(wide_gpt, tmp_pat
         tmp_path, "tools/export_hf.py", "--load", wide_gpt["ckpt"], "--output", str(out), "--verify"
     )
     assert_verify_refused(proc, out)
+
+
+def test_a_llama_style_checkpoint_is_refused_in_one_line():
+    """Until Llama-family classes export, such a model must not be written as GPT-2."""
+    from megatron.config.load import load_config
+    from megatron.errors import ConfigError
+    from megatron.interop.export import _check_exportable
+
+    _check_exportable(load_config(["configs/gpt_tiny.yaml"]).model)
+    with pytest.raises(ConfigError, match=r"^model\.position_embedding_type=rope: .*not supported"):
+        _check_exportable(load_config(["configs/llama_tiny.yaml"]).model)
+    swiglu = load_config(["configs/gpt_tiny.yaml"], ["model.activation=swiglu"]).model
+    with pytest.raises(ConfigError, match=r"^model\.activation=swiglu: "):
+        _check_exportable(swiglu)
