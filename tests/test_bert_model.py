@@ -25,6 +25,7 @@ from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
 from tests.model_config import tiny_model_config
+from tests.test_estimate import saved_bytes
 from tests.test_layers import close, gather_param
 
 VOCAB = 250
@@ -174,21 +175,6 @@ SHAPES = [  # (model overrides, vocab, binary head): counted against count_param
 ]
 
 
-def _saved_bytes(model, b: dict[str, torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves in one forward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(b["text"], b["types"], b["padding_mask"], b["labels"], b["masked_positions"])
-    return sum(storages.values())
-
-
 def _measure(tp: int):
     """Per shape on this rank: (split, replicated) parameters, and saved bytes at TP=1."""
     st = initialize(tp)
@@ -204,7 +190,9 @@ def _measure(tp: int):
             b["labels"] = torch.full((2, SEQ), -1).index_fill(1, torch.arange(1, n + 1), 5)
             b["masked_positions"] = torch.arange(1, n + 1).expand(2, n)
             b["padding_mask"] = torch.ones(2, SEQ, dtype=torch.long)
-            entry["saved"] = _saved_bytes(model, b)
+            entry["saved"] = saved_bytes(
+                model, b["text"], b["types"], b["padding_mask"], b["labels"], b["masked_positions"]
+            )
         out.append(entry)
     return out
 

@@ -49,8 +49,9 @@ CASES = [
 ]
 
 
-def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in one forward, parameters excluded."""
+def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor, **named: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in one forward ``model(*inputs, **named)``,
+    parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -61,7 +62,7 @@ def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, labels=tokens)
+        model(*inputs, **named)
     return sum(storages.values())
 
 
@@ -84,7 +85,7 @@ def _measure(tp: int, cases: list) -> list[dict]:
                 tracker.seed(1, st.tp_rank)
                 model = GPTModel(cfg, vocab, padded, st, tracker, sequence_parallel=sp).train()
                 tokens = torch.randint(0, vocab, (2, cfg.seq_length))
-                saved[sp, layers] = _saved_bytes(model, tokens)
+                saved[sp, layers] = saved_bytes(model, tokens, labels=tokens)
         cfg = tiny_model_config(**overrides)
         tracker = RNGTracker(st.device)
         tracker.seed(1, st.tp_rank)

@@ -28,7 +28,7 @@ from megatron.parallel.random import RNGTracker
 from tests.model_config import tiny_model_config
 from tests.test_config import error_of
 from tests.test_document_mask import packed_batch
-from tests.test_estimate import _check_model_bytes
+from tests.test_estimate import _check_model_bytes, saved_bytes
 from tests.test_llama_model import (
     BERT,
     CPU,
@@ -37,7 +37,6 @@ from tests.test_llama_model import (
     VARIANTS,
     VOCAB,
     _composite_rms_bytes,
-    _saved_bytes,
 )
 
 ESTIMATE_CASES = {
@@ -64,7 +63,7 @@ def test_estimates_count_the_model(case):
         tracker.seed(1, 0)
         models[layers] = model = GPTModel(cfg, VOCAB, 256, CPU, tracker).train()
         tokens = torch.randint(0, VOCAB, (2, cfg.seq_length))
-        saved[layers] = _saved_bytes(model, tokens, packed_batch(n=2)[2])
+        saved[layers] = saved_bytes(model, tokens, packed_batch(n=2)[2], labels=tokens)
     cfg, model = tiny_model_config(**overrides), models[2]
     params = count_parameters(cfg, 256, 1)
     assert sum(p.numel() for p in model.parameters()) == params.total

@@ -43,6 +43,7 @@ from tests.model_config import tiny_model_config
 from tests.test_bert_model import batch as bert_batch
 from tests.test_bert_model import losses as bert_losses
 from tests.test_document_mask import packed_batch
+from tests.test_estimate import saved_bytes
 from tests.test_layers import close, gather_param
 from tests.test_sequence_parallel import COLLECTIVES, _full_size
 
@@ -136,7 +137,8 @@ def _tp_child(tp: int) -> dict:
         model, one_layer = build(variant, st).train(), build(variant, st, num_layers=1).train()
         out[variant, "held"] = (
             sum(p.numel() for p in model.parameters()),
-            _saved_bytes(model, tokens, positions) - _saved_bytes(one_layer, tokens, positions),
+            saved_bytes(model, tokens, positions, labels=tokens)
+            - saved_bytes(one_layer, tokens, positions, labels=tokens),
         )
     if tp == 2:
         out["bert"] = [bert_forward_backward(st, sp) for sp in (False, True)]
@@ -415,21 +417,6 @@ def test_untied_pipeline_stages_hold_the_output_layer_and_nothing_tied():
 
 
 # --- The estimates ---
-
-
-def _saved_bytes(model: GPTModel, tokens: torch.Tensor, positions: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in one forward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, labels=tokens)
-    return sum(storages.values())
 
 
 def _composite_rms_bytes(cfg, tp: int = 1) -> int:
