@@ -38,6 +38,11 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
+def fork_server() -> Any:
+    """The multiprocessing context whose processes fork from the preloaded server."""
+    return _CONTEXT
+
+
 def _child(
     rank: int, world_size: int, port: int, call: bytes, env: dict[str, str], out: Any
 ) -> None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.forked_entrypoint import run_entrypoint
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,28 +86,11 @@ def run_pretrain(
     env: dict[str, str] | None = None,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` (or plain python for one process) on the real entrypoint."""
-    if nproc == 1:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            script,
-        ]
+    """``torchrun --standalone`` (or plain python for one process) on the real entrypoint, forked
+    from the suite's fork server (tests/forked_entrypoint.py)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        [*cmd, "--config", config, *overrides],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = ["--config", config, *overrides]
+    proc = run_entrypoint(script, argv, nproc, full_env, ROOT, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
