@@ -1,4 +1,4 @@
-"""Tokenize JSONL into Megatron's .bin/.idx files: ``{prefix}_{key}_{document|sentence}``.
+"""Tokenize JSONL or Parquet into Megatron's .bin/.idx: ``{prefix}_{key}_{document|sentence}``.
 
 Takes every flag of Megatron-LM's preprocess_data.py (``megatron.data.preprocess_args``: each
 honoured, or refused in one line saying why), so existing scripts run unchanged::
@@ -7,9 +7,11 @@ honoured, or refused in one line saying why), so existing scripts run unchanged:
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 4
 
-Streams: lines are read in chunks and encoded by a worker pool (``megatron.data.jsonl_encoder``)
-with a bounded number of chunks in flight; results are written in input order, one bulk write per
-chunk, so memory stays flat and ``--workers 1`` and ``--workers N`` write byte-identical files.
+Inputs are JSONL (plain, ``.gz``, ``.zst``) or ``.parquet`` (its ``--json-keys`` columns), mixed
+freely (``megatron.data.corpus_files``). Streams: records are read in chunks and encoded by a
+worker pool (``megatron.data.jsonl_encoder``) with a bounded number of chunks in flight; results
+are written in input order, one bulk write per chunk, so memory stays flat and ``--workers 1``
+and ``--workers N`` write byte-identical files.
 Outputs live under temporary names until complete; then ``{prefix}.json`` (``megatron.data.
 sidecar``) records the tokenizer, level and tool beside each dataset.
 """
@@ -19,8 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import glob
-import gzip
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -28,14 +28,20 @@ import signal
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.atomic_file import free_bytes, mib, refusal  # noqa: E402
+from megatron.data.corpus_files import (  # noqa: E402
+    Chunk,
+    check_inputs,
+    expand_inputs,
+    read_chunks,
+    record_name,
+    where,
+)
 from megatron.data.indexed_dataset import IndexedDatasetWriter  # noqa: E402
 from megatron.data.jsonl_encoder import ChunkResult, JsonlEncoder  # noqa: E402
 from megatron.data.preprocess_args import (  # noqa: E402
@@ -50,64 +56,16 @@ from megatron.errors import ConfigError, StorageError  # noqa: E402
 # Bytes of input per chunk of work: small enough to balance the workers, large enough that
 # the per-chunk costs (a task, a pickled result, a write) stay negligible.
 CHUNK_BYTES = 1 << 18
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    """Files named by ``--input``: paths or globs (sorted), in the order given."""
-    paths = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        matches = [p for p in matches if os.path.exists(p) and not os.path.isdir(p)]
-        if not matches:
-            raise ConfigError(f"--input {pattern}: no such file; give JSONL files or globs")
-        paths.extend(matches)
-    return paths
-
-
-def open_binary(path: str) -> BinaryIO:
-    """A binary line reader of a plain or gzip (``.gz``) file."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb", buffering=1 << 20)
-
-
-# What reading a gzip stream that is cut short or damaged raises.
-_BAD_GZIP = (EOFError, gzip.BadGzipFile, zlib.error)
-
-
-def read_lines(f: BinaryIO, path: str) -> list[bytes]:
-    """The next chunk of whole lines of ``f`` (the file ``path``), about CHUNK_BYTES; a gzip
-    stream cut short or damaged is a ConfigError naming the file and its last whole line."""
-    try:
-        # readlines(hint) stops after the line that crosses the hint: one C loop per chunk
-        return f.readlines(CHUNK_BYTES)
-    except _BAD_GZIP:
-        # The chunk's lines read before the damage are lost: count them again, from the start.
-        good = 0
-        with gzip.open(path, "rb") as again, contextlib.suppress(*_BAD_GZIP):
-            for _ in again:
-                good += 1
-        raise ConfigError(
-            f"{path}: truncated or corrupt gzip stream after line {good}; re-download or "
-            "re-compress it"
-        ) from None
-
-
-def read_chunks(
-    paths: list[str], max_lines: int | None = None
-) -> Iterator[tuple[str, int, list[bytes]]]:
-    """``(path, first line number, raw lines)`` chunks of whole lines, about CHUNK_BYTES each;
-    ``max_lines`` stops after that many lines in all."""
-    left = max_lines
-    for path in paths:
-        with open_binary(path) as f:
-            first = 1
-            while (left is None or left > 0) and (lines := read_lines(f, path)):
-                if left is not None:
-                    lines = lines[:left]
-                    left -= len(lines)
-                yield path, first, lines
-                first += len(lines)
+# The HF tokenizers library's thread pool stays off: the unit of parallelism is the --workers
+# process. A chunk's Python half (UTF-8, JSON, checks, packing) holds the GIL, so only processes
+# scale it; one tokenizer thread per process keeps processes x threads = --workers, as tiktoken
+# and sentencepiece run (num_threads=1); and a process that used the pool and then forks (the
+# --find-optimal-num-workers trials, in-process callers) is the deadlock the library guards
+# against (tokenizers >= 0.22.2 turns the pool off in such a child silently; older ones warned).
+# Each chunk is still one batch call (encode_batch_fast), which saves the per-text overhead.
+PARALLELISM = "TOKENIZERS_PARALLELISM"
+# The values the tokenizers library reads as off.
+_PARALLELISM_OFF = ("", "0", "f", "false", "n", "no", "off")
 
 
 def build_encoder(args: argparse.Namespace) -> JsonlEncoder:
@@ -125,11 +83,38 @@ def build_encoder(args: argparse.Namespace) -> JsonlEncoder:
 _WORKER: JsonlEncoder | None = None
 
 
+@contextlib.contextmanager
+def _tokenizer_threads_off() -> Iterator[None]:
+    """TOKENIZERS_PARALLELISM=false for the run (see PARALLELISM), unless the user set it: with
+    --workers 1 a user's ``true`` encodes on the library's threads in this one process."""
+    if PARALLELISM in os.environ:
+        yield
+        return
+    os.environ[PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        os.environ.pop(PARALLELISM, None)
+
+
+def parallelism_notes(args: argparse.Namespace) -> list[str]:
+    """The note that a user's TOKENIZERS_PARALLELISM=true does not reach the --workers."""
+    value = os.environ.get(PARALLELISM, "")
+    if args.workers == 1 or value.lower() in _PARALLELISM_OFF:
+        return []
+    return [
+        f"note: {PARALLELISM}={value} is not used by the --workers processes: each encodes on "
+        "one thread, so N workers use N cores (with --workers 1 the tokenizers library's "
+        "threads encode)"
+    ]
+
+
 def _init_worker(args: argparse.Namespace) -> None:
     global _WORKER
-    # The parent handles Ctrl-C and tears the pool down; HF tokenizers must not fork threads.
+    # The parent handles Ctrl-C and tears the pool down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # One tokenizer thread per worker (see PARALLELISM), whatever the parent's environment.
+    os.environ[PARALLELISM] = "false"
     _WORKER = build_encoder(args)
 
 
@@ -148,7 +133,7 @@ def _start_pool(args: argparse.Namespace) -> multiprocessing.pool.Pool:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _encode_in_worker(chunk: tuple[str, int, list[bytes]]) -> ChunkResult:
+def _encode_in_worker(chunk: Chunk) -> ChunkResult:
     return _WORKER.encode_chunk(chunk)
 
 
@@ -197,10 +182,12 @@ def preprocess(args: argparse.Namespace, max_lines: int | None = None) -> Summar
     StorageError when the output's disk refuses a write (full, read-only), by when the writers
     have removed their temporary files."""
     paths = expand_inputs(args.input)
+    check_inputs(paths, args.json_keys)  # Parquet columns, before any work
     encoder = build_encoder(args)  # checks the tokenizer files before any work
     summary = Summary(outputs=list(output_prefixes(args).values()))
     try:
-        _convert(args, paths, encoder, summary, max_lines)
+        with _tokenizer_threads_off():
+            _convert(args, paths, encoder, summary, max_lines)
     except OSError as e:
         refused = refusal(e)
         if refused is None or e.filename in paths:  # an unreadable input is not the output's
@@ -226,7 +213,7 @@ def _convert(
     prefixes = output_prefixes(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     start = time.perf_counter()
-    chunks = read_chunks(paths, max_lines)
+    chunks = read_chunks(paths, args.json_keys, CHUNK_BYTES, max_lines)
     with contextlib.ExitStack() as stack:
         writers = {
             k: stack.enter_context(IndexedDatasetWriter(p, encoder.dtype))
@@ -259,12 +246,12 @@ def _convert(
 
 
 def _record_bad(summary: Summary, path: str, bad: list[tuple[int, str]], skip: bool) -> None:
-    for lineno, reason in bad:
-        where = f"{path}:{lineno}: {reason}"
+    for number, reason in bad:
+        place = f"{where(path, number)}: {reason}"
         if not skip:
-            raise ConfigError(f"{where}; fix the line or pass --skip-bad-lines")
+            raise ConfigError(f"{place}; fix the {record_name(path)} or pass --skip-bad-lines")
         summary.bad_lines[reason.split(" (")[0]] += 1
-        summary.first_bad = summary.first_bad or where
+        summary.first_bad = summary.first_bad or place
 
 
 class Progress(contextlib.AbstractContextManager):
@@ -359,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        for note in check_megatron_flags(args):
+        for note in [*check_megatron_flags(args), *parallelism_notes(args)]:
             print(note, file=sys.stderr)
         if args.find_optimal_num_workers:
             print(find_optimal_workers(args))

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.atomic_file import write_contents  # noqa: E402
+from megatron.data.corpus_files import expand_inputs, is_parquet, open_binary  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
-from tools.preprocess_data import expand_inputs, open_binary  # noqa: E402
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 
@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         paths = expand_inputs(args.input)
+        parquet = next(filter(is_parquet, paths), None)
+        if parquet:
+            raise ConfigError(
+                f"--input {parquet}: train_tokenizer reads JSONL (plain, .gz, .zst); export a "
+                "sample of the Parquet column to JSONL first"
+            )
         model = train_sentencepiece(
             iter_lines(paths, args.json_keys),
             args.model_prefix,

@@ -1,9 +1,12 @@
-"""JSONL lines to token arrays: parsing, the checks that name a bad line, batched encoding.
+"""JSONL lines and Parquet rows to token arrays: parsing, the checks that name a bad record,
+batched encoding.
 
-``tools/preprocess_data.py`` reads the input in chunks of lines and hands each chunk to
+``tools/preprocess_data.py`` reads the input in chunks (``megatron.data.corpus_files.Chunk``: raw
+JSONL lines, or the values of Parquet columns) and hands each chunk to
 ``JsonlEncoder.encode_chunk`` (in worker processes), then writes the results in input order.
-A chunk is parsed line by line, then each key's texts are encoded in one call
-(``Tokenizer.encode_packed``): per-text overhead is a large share of encoding short documents.
+A chunk is parsed record by record, then each key's texts are encoded in one call
+(``Tokenizer.encode_packed``: the library's batch encode where it has one): per-text overhead is
+a large share of encoding short documents.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron.data.corpus_files import Chunk
 from megatron.data.indexed_dataset import best_dtype
 from megatron.data.sentences import split_sentences
 from megatron.data.tokenizers.base import Tokenizer
 
 
 class BadLine(Exception):
-    """One input line that cannot become a document; the message is the reason."""
+    """One input line (or Parquet row) that cannot become a document; the message is the
+    reason."""
 
 
 _JSON = json.JSONDecoder()
@@ -54,7 +59,7 @@ class ChunkResult:
     tokens: dict[str, np.ndarray]  # all sequences back to back
     sequence_lengths: dict[str, np.ndarray]
     document_sizes: dict[str, np.ndarray]  # sequences per document
-    bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (line or row number, reason)
     documents: int = 0
     bytes: int = 0
 
@@ -76,7 +81,8 @@ def keep_whitespace(text: str, sentences: list[str]) -> list[str]:
 
 
 class JsonlEncoder:
-    """Turns chunks of raw JSONL lines into token sequences, one dataset per JSON key.
+    """Turns chunks of raw JSONL lines or Parquet rows into token sequences, one dataset per JSON
+    key (Parquet: column).
 
     Each key's value is a document: a string (split into sentences with ``split_sentences``,
     keeping the whitespace between them with ``keep_newlines``) or a list of strings taken as
@@ -112,51 +118,72 @@ class JsonlEncoder:
         for key in self.keys:
             if key not in record:
                 raise BadLine(f"missing key {key!r}")
-            value = record[key]
-            if isinstance(value, str):
-                if not value or value.isspace():  # isspace stops at the first other character
-                    raise BadLine(f"empty document in key {key!r}")
-                pieces = [value]
-                if self.split:
-                    pieces = split_sentences(value)
-                    if self.keep_newlines:
-                        pieces = keep_whitespace(value, pieces)
-            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-                pieces = value  # already split into sentences, as Megatron accepts
-            else:
-                raise BadLine(f"not a string in key {key!r} (a {type(value).__name__})")
-            for piece in pieces:
-                if not piece.isascii():  # O(1): CPython keeps an ASCII flag
-                    try:
-                        piece.encode("utf-8")
-                    except UnicodeEncodeError:
-                        # a \ud800-style escape without its pair: no tokenizer takes it
-                        raise BadLine(f"unpaired surrogate escape in key {key!r}") from None
-                if self._checks_text and (why := self.tokenizer.bad_text(piece)):
-                    raise BadLine(f"{why} in key {key!r}")
-            documents.append(pieces)
+            documents.append(self._pieces(record[key], "key", key))
         return documents
 
-    def encode_chunk(self, chunk: tuple[str, int, list[bytes]]) -> ChunkResult:
-        """Parse every line of a chunk, then encode each key's texts in one batch.
+    def parse_row(self, values: tuple) -> list[list[str]]:
+        """``parse_line`` of one Parquet row: the value of each key's column, or BadLine.
 
-        Without --skip-bad-lines parsing stops at the first bad line. A document whose texts all
-        encode to no tokens makes its line bad too (found after parsing, so a line with such a
-        key and a later malformed key reports the latter).
+        A null is a bad row, as a JSON null or a missing key is a bad line: a hole in a text
+        column is likelier a join or an export gone wrong than a document meant to be empty, so
+        it stops the run, or with --skip-bad-lines is counted and reported, never dropped unseen.
         """
-        path, first, lines = chunk
+        documents = []
+        for key, value in zip(self.keys, values):
+            if value is None:
+                raise BadLine(f"null in column {key!r}")
+            documents.append(self._pieces(value, "column", key))
+        return documents
+
+    def _pieces(self, value: object, kind: str, key: str) -> list[str]:
+        """The texts of one document, the value of ``kind`` (key or column) ``key``, or BadLine
+        (naming them, formatted only then: this runs for every document)."""
+        if isinstance(value, str):
+            if not value or value.isspace():  # isspace stops at the first other character
+                raise BadLine(f"empty document in {kind} {key!r}")
+            pieces = [value]
+            if self.split:
+                pieces = split_sentences(value)
+                if self.keep_newlines:
+                    pieces = keep_whitespace(value, pieces)
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            pieces = value  # already split into sentences, as Megatron accepts
+        else:
+            raise BadLine(f"not a string in {kind} {key!r} (a {type(value).__name__})")
+        for piece in pieces:
+            if not piece.isascii():  # O(1): CPython keeps an ASCII flag
+                try:
+                    piece.encode("utf-8")
+                except UnicodeEncodeError:
+                    # a \ud800-style escape without its pair: no tokenizer takes it
+                    raise BadLine(f"unpaired surrogate escape in {kind} {key!r}") from None
+            if self._checks_text and (why := self.tokenizer.bad_text(piece)):
+                raise BadLine(f"{why} in {kind} {key!r}")
+        return pieces
+
+    def encode_chunk(self, chunk: Chunk) -> ChunkResult:
+        """Parse every record of a chunk, then encode each key's texts in one batch.
+
+        Without --skip-bad-lines parsing stops at the first bad record. A document whose texts
+        all encode to no tokens makes its record bad too (found after parsing, so a line with
+        such a key and a later malformed key reports the latter).
+        """
+        if chunk.lines is not None:
+            records, parse, kind = chunk.lines, self.parse_line, "key"
+        else:
+            records, parse, kind = zip(*chunk.columns), self.parse_row, "column"
         texts: list[list[str]] = [[] for _ in self.keys]  # per key, every sequence in order
         counts: list[list[int]] = [[] for _ in self.keys]  # per key: sequences per document
         line_numbers, bad = [], []
-        for offset, raw in enumerate(lines):
+        for offset, record in enumerate(records):
             try:
-                documents = self.parse_line(raw)
+                documents = parse(record)
             except BadLine as e:
-                bad.append((first + offset, str(e)))
+                bad.append((chunk.first + offset, str(e)))
                 if self.skip_bad_lines:
                     continue
                 break
-            line_numbers.append(first + offset)
+            line_numbers.append(chunk.first + offset)
             for k, pieces in enumerate(documents):
                 texts[k] += pieces
                 counts[k].append(len(pieces))
@@ -166,10 +193,10 @@ class JsonlEncoder:
             ends = np.concatenate(([0], np.cumsum(lengths)))[np.cumsum([0, *key_counts])]
             empty = np.diff(ends) == 0
             for d in np.flatnonzero(empty & keep).tolist():
-                bad.append((line_numbers[d], f"empty document in key {key!r} (no tokens)"))
+                bad.append((line_numbers[d], f"empty document in {kind} {key!r} (no tokens)"))
             keep &= ~empty
         bad.sort()
-        result = ChunkResult(path, {}, {}, {}, bad, int(keep.sum()), sum(map(len, lines)))
+        result = ChunkResult(chunk.path, {}, {}, {}, bad, int(keep.sum()), chunk.bytes)
         for key, (tokens, lengths), key_counts in zip(self.keys, encoded, counts):
             self._pack(result, key, tokens, lengths, np.asarray(key_counts, dtype=np.int64), keep)
         return result

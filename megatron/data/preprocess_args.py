@@ -69,8 +69,18 @@ _READS = {
 def add_megatron_flags(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's preprocess_data.py flags (main and core_v0.16.1), plus ours."""
     g = p.add_argument_group("input and output").add_argument
-    g("--input", nargs="+", required=True, help="JSONL files or globs (plain or .gz)")
-    g("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one dataset each")
+    g(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSONL (plain, .gz, .zst/.zstd) or .parquet files or globs, mixed freely",
+    )
+    g(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys (Parquet: columns) to tokenize, one dataset each",
+    )
     split_help = (
         "one sequence per sentence. The splitter is a regex on sentence punctuation (. ! ? ... "
         "and CJK stops before a word that is not lower-case, except after abbreviations, "
