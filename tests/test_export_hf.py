@@ -293,15 +293,17 @@ def test_verify_without_transformers_is_refused_before_writing(wide_gpt, tmp_pat
     assert_verify_refused(proc, out)
 
 
-def test_a_llama_style_checkpoint_is_refused_in_one_line():
-    """Until Llama-family classes export, such a model must not be written as GPT-2."""
+def test_a_gpt_without_an_exported_class_is_refused_in_one_line():
+    """A GPT with learned positions exports as GPT-2, a Llama-style one as a Llama-family class
+    (tests/test_hf_llama.py); SwiGLU with learned positions has neither form and must not be
+    written as GPT-2."""
     from megatron.config.load import load_config
     from megatron.errors import ConfigError
-    from megatron.interop.export import _check_exportable
+    from megatron.interop.architectures import for_checkpoint
 
-    _check_exportable(load_config(["configs/gpt_tiny.yaml"]).model)
-    with pytest.raises(ConfigError, match=r"^model\.position_embedding_type=rope: .*not supported"):
-        _check_exportable(load_config(["configs/llama_tiny.yaml"]).model)
-    swiglu = load_config(["configs/gpt_tiny.yaml"], ["model.activation=swiglu"]).model
+    assert for_checkpoint("gpt", load_config(["configs/gpt_tiny.yaml"])).name == "GPT2LMHeadModel"
+    llama = load_config(["configs/llama_tiny.yaml"])
+    assert for_checkpoint("gpt", llama).name == "LlamaForCausalLM"
+    swiglu = load_config(["configs/gpt_tiny.yaml"], ["model.activation=swiglu"])
     with pytest.raises(ConfigError, match=r"^model\.activation=swiglu: "):
-        _check_exportable(swiglu)
+        for_checkpoint("gpt", swiglu)

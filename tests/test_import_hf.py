@@ -251,11 +251,11 @@ def test_cli_verifies_and_refuses_in_one_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pretrain_bert.py --config" in out and "verify:" in out and out.rstrip().endswith("ok")
 
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    proc = run_tool("tools/import_hf.py", "--input", str(llama), "--output", str(tmp_path / "o"))
-    assert proc.returncode == 2 and "LlamaForCausalLM is not supported" in proc.stderr
+    neox = tmp_path / "neox"
+    neox.mkdir()
+    (neox / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    proc = run_tool("tools/import_hf.py", "--input", str(neox), "--output", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "GPTNeoXForCausalLM is not supported" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
     pickled = tmp_path / "pickled"

@@ -3,8 +3,11 @@
     python tools/export_hf.py --load runs/gpt/checkpoints --output hf/gpt [--verify]
     python tools/export_hf.py --load runs/bert/checkpoints --iteration 300 --output hf/bert
 
-GPT becomes GPT2LMHeadModel (pre-LN only); BERT becomes MegatronBertForPreTraining (pre-LN) or
-BertForPreTraining (post-LN), ...ForMaskedLM without a binary head. The output loads with
+A GPT with learned positions becomes GPT2LMHeadModel (pre-LN only); a RoPE + RMSNorm + SwiGLU
+GPT becomes Qwen3ForCausalLM (QK norms), Qwen2ForCausalLM (QKV bias) or LlamaForCausalLM
+(MistralForCausalLM for a Mistral import); BERT becomes MegatronBertForPreTraining (pre-LN) or
+BertForPreTraining (post-LN), ...ForMaskedLM without a binary head. A model none of them holds
+exactly is refused in one line naming its model.* key. The output loads with
 ``AutoModelForCausalLM`` / ``AutoModelForPreTraining`` and, where expressible, ``AutoTokenizer``.
 ``--verify`` runs both models on fixed ids and fails when their logits differ by over 1e-4.
 """

@@ -68,10 +68,11 @@ class Loaded:
 
 
 def check_tp(cfg: Config, tp: int) -> None:
-    """The model's heads and MLP must split into ``tp`` equal parts."""
+    """The model's heads, key/value groups and MLP must split into ``tp`` equal parts."""
     m = cfg.model
     for key, n in (
         ("num_attention_heads", m.num_attention_heads),
+        ("num_query_groups", m.query_groups),
         ("ffn_hidden_size", m.ffn_hidden_size),
     ):
         if n % tp:

@@ -1,7 +1,10 @@
 """Export one of our checkpoints (any TP size) as a HF model directory.
 
-    HF_DIR/config.json          GPT2LMHeadModel, BertForPreTraining or MegatronBertForPreTraining
-                                (...ForMaskedLM without a binary head)
+    HF_DIR/config.json          GPT2LMHeadModel (learned positions); LlamaForCausalLM,
+                                MistralForCausalLM (a Mistral import), Qwen2ForCausalLM (QKV
+                                bias) or Qwen3ForCausalLM (QK norms) for a RoPE GPT; BERT:
+                                BertForPreTraining or MegatronBertForPreTraining (...ForMaskedLM
+                                without a binary head); ``architectures.for_checkpoint`` chooses
     HF_DIR/model.safetensors    the weights, merged over TP ranks, vocabulary padding cut off,
                                 tied copies left out (from_pretrained ties them again)
     HF_DIR/<tokenizer files>    see ``hf_tokenizer``
@@ -20,7 +23,6 @@ from megatron.checkpoint import find_checkpoint
 from megatron.checkpoint.format import META, verify_checkpoint
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import config_from_dict
-from megatron.config.schema import ModelConfig
 from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from megatron.inference.loading import model_type
@@ -29,32 +31,6 @@ from megatron.interop.hf_files import HF_DTYPE_NAMES, write_config, write_weight
 from megatron.interop.hf_tokenizer import export_tokenizer
 from megatron.interop.ours import read_full
 from megatron.interop.staging import check_output, staged
-
-# Llama-family options that GPT-2's and BERT's classes cannot hold (their own HF classes are not
-# exported yet), each with the value those classes have.
-_GPT2_FORM = {
-    "position_embedding_type": "learned",
-    "normalization": "layernorm",
-    "num_query_groups": None,
-    "kv_channels": None,
-    "add_bias_linear": True,
-    "add_qkv_bias": False,
-    "qk_layernorm": False,
-    "untie_embeddings_and_output_weights": False,
-}
-
-
-def _check_exportable(m: ModelConfig) -> None:
-    """ConfigError naming the first option of ``m`` that the exported classes cannot hold."""
-    found = {key: getattr(m, key) for key, form in _GPT2_FORM.items() if getattr(m, key) != form}
-    if m.activation == "swiglu":
-        found["activation"] = "swiglu"
-    if found:
-        key, value = next(iter(found.items()))
-        raise ConfigError(
-            f"model.{key}={value}: the export writes GPT2LMHeadModel and BERT classes, which "
-            "cannot hold this option; Llama-family exports are not supported yet"
-        )
 
 
 def export_hf(
@@ -70,8 +46,9 @@ def export_hf(
     ``load_dir`` is a save directory (a run's, or a tools/checkpoint_util.py output) or one
     ``iter_*`` directory; ``overrides``
     (``tokenizer.key=value``) replace the saved tokenizer settings, e.g. files that moved.
-    Raises ConfigError (one line) for a missing or damaged checkpoint, a model HF cannot hold
-    (post-LN GPT), or an ``output`` that already holds files.
+    Raises ConfigError (one line) for a missing or damaged checkpoint, a model no HF class we
+    export holds exactly (post-LN GPT, learned positions with RMSNorm, ...), or an ``output``
+    that already holds files.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
@@ -81,8 +58,8 @@ def export_hf(
     if problem:
         raise ConfigError(f"--load: {problem}; restore it, or export another with --iteration")
     cfg = config_from_dict(meta["config"], os.path.join(ckpt, META), overrides)
-    _check_exportable(cfg.model)
-    architecture = for_checkpoint(model_type(meta), cfg)
+    imported = meta.get("imported_from", {}).get("architecture")
+    architecture = for_checkpoint(model_type(meta), cfg, imported)
     tokenizer = build_tokenizer(**asdict(cfg.tokenizer))
     vocab = meta["vocab_size"]
     if tokenizer.vocab_size != vocab:

@@ -2,7 +2,9 @@
 
     DIR/latest, DIR/iter_0000000/   weights only (meta.json in our format: resolved config,
                                     tensor layout, checksums; no optimizer, RNG or schedule)
-    DIR/tokenizer/                  the tokenizer files, copied
+    DIR/tokenizer/                  the tokenizer files, copied (see ``hf_tokenizer``: GPT-2's
+                                    and BERT's as they are, another model's as AutoTokenizer
+                                    loads them, or those the tokenizer flags name)
     DIR/config.yaml                 a config our entrypoints accept at any world size: the
                                     model, the copied tokenizer, TP=1 (the checkpoint reshards
                                     on load to whatever TP a run asks for), checkpoint.load=DIR
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -25,9 +29,11 @@ from megatron.atomic_file import write_contents
 from megatron.checkpoint.format import checkpoint_name, read_meta
 from megatron.config.load import config_from_dict
 from megatron.config.schema import TokenizerConfig
-from megatron.data.tokenizers.factory import build_tokenizer
+from megatron.data.tokenizers.base import Tokenizer
+from megatron.data.tokenizers.factory import build_tokenizer, family
 from megatron.errors import ConfigError
 from megatron.inference.loading import check_tp, model_type
+from megatron.interop import bert, gpt2
 from megatron.interop.architectures import from_config_json
 from megatron.interop.hf_files import CONFIG, WEIGHTS, read_config, read_weights
 from megatron.interop.hf_tokenizer import copy_tokenizer, find_tokenizer
@@ -99,13 +105,44 @@ def finetune_commands(output: str) -> list[str]:
     return _commands(output, model_type(meta), meta["tp_size"])
 
 
-def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
+def _fit_vocabulary(
+    source: dict[str, Any], rows: Any, where: str
+) -> tuple[dict[str, Any], Tokenizer]:
+    """``source`` and its tokenizer, for a model with ``rows`` embedding rows (config.json's
+    vocab_size). Rows past the tokenizer's ids are kept as vocabulary it never produces
+    (``tokenizer.vocab_size``, hf only), so the import holds every row and its logits, softmax
+    included, are the HF model's; a tokenizer with more ids than rows is refused."""
+    tokenizer = build_tokenizer(**source)
+    ids = tokenizer.vocab_size
+    if rows == ids:
+        return source, tokenizer
+    if not isinstance(rows, int) or rows < ids:
+        raise ConfigError(
+            f"{where}: vocab_size={rows}, but the tokenizer ({source['type']}) has {ids} ids; "
+            "give it the tokenizer the model was trained with"
+        )
+    if family(source["type"]) != "hf":
+        raise ConfigError(
+            f"{where}: vocab_size={rows} is {rows - ids} rows more than the {ids} ids of the "
+            f"tokenizer ({source['type']}); only a HF tokenizer.json can leave rows unused: name "
+            "one with --tokenizer-type HuggingFaceTokenizer --tokenizer-model, or give the "
+            "tokenizer the model was trained with"
+        )
+    source = {**source, "vocab_size": rows}
+    return source, build_tokenizer(**source)
+
+
+def import_hf(
+    hf_dir: str, output: str, tp_size: int, tokenizer_overrides: Sequence[str] = ()
+) -> str:
     """Convert the HF model in ``hf_dir`` into a save directory ``output`` holding iteration 0
     at TP=``tp_size``; returns the checkpoint directory.
 
+    ``tokenizer_overrides`` (``tokenizer.key=value``, tools/import_hf.py's --tokenizer-* flags)
+    name the tokenizer instead of ``hf_dir``'s files (``hf_tokenizer.find_tokenizer``).
     Raises ConfigError (one line) for an unsupported architecture or config, weights that do
-    not fit it, a tokenizer whose vocabulary differs, a TP size that does not divide the model,
-    or an ``output`` that already holds files.
+    not fit it, no tokenizer or one with more ids than the model has rows, a TP size that does
+    not divide the model, or an ``output`` that already holds files.
     """
     where = os.path.join(hf_dir, CONFIG)
     hf = read_config(hf_dir)
@@ -113,43 +150,44 @@ def import_hf(hf_dir: str, output: str, tp_size: int) -> str:
     model = architecture.sections(hf, where)
     model["model"]["type"] = architecture.kind  # the other entrypoint refuses this config
     check_output(output)
-    source = find_tokenizer(hf_dir)
-    tokenizer = build_tokenizer(**source)
-    vocab = hf.get("vocab_size")
-    if vocab != tokenizer.vocab_size:
-        raise ConfigError(
-            f"{where}: vocab_size={vocab}, but the tokenizer ({source['type']}) has "
-            f"{tokenizer.vocab_size} ids; give it the tokenizer the model was trained with"
+    # GPT-2's and BERT's HF tokenizers are our gpt2 and wordpiece ones, file for file.
+    own_files = isinstance(architecture, gpt2.GPT2 | bert.Bert)
+    # Holds the tokenizer.json made from AutoTokenizer until it is copied into the import.
+    with tempfile.TemporaryDirectory(prefix="import_hf-") as scratch:
+        found = find_tokenizer(hf_dir, own_files, tokenizer_overrides, scratch)
+        source, tokenizer = _fit_vocabulary(found, hf.get("vocab_size"), where)
+        if tp_size < 1:
+            raise ConfigError(f"--tensor-parallel-size {tp_size} must be at least 1")
+        sections = _sections(model, source, output)
+        # The checkpoint's TP size, in its meta.json.
+        stored_tp = [f"parallel.tensor_parallel_size={tp_size}"]
+        cfg = config_from_dict(
+            {**sections, "data": {**sections["data"], "paths": []}}, where, stored_tp
         )
-    if tp_size < 1:
-        raise ConfigError(f"--tensor-parallel-size {tp_size} must be at least 1")
-    sections = _sections(model, source, output)
-    stored_tp = [f"parallel.tensor_parallel_size={tp_size}"]  # the checkpoint's, in its meta.json
-    cfg = config_from_dict(
-        {**sections, "data": {**sections["data"], "paths": []}}, where, stored_tp
-    )
-    check_tp(cfg, tp_size)
-    sections["model"] = dataclasses.asdict(cfg.model)  # every model.* key, spelled out
-    weights = read_weights(hf_dir, architecture.base_prefix, architecture.head_prefixes)
-    source_weights = os.path.join(hf_dir, WEIGHTS)
-    full = architecture.import_tensors(cfg, weights, source_weights)
-    with staged(output) as tmp:
-        sections["tokenizer"] = copy_tokenizer(
-            source, os.path.join(tmp, "tokenizer"), os.path.join(output, "tokenizer")
-        )
-        cfg = dataclasses.replace(cfg, tokenizer=TokenizerConfig(**sections["tokenizer"]))
-        imported = {"path": os.path.abspath(hf_dir), "architecture": architecture.name}
-        extra = {"imported_from": imported}
-        write_checkpoint(tmp, architecture.kind, cfg, full, vocab, source_weights, extra)
-        commands = _commands(output, architecture.kind, tp_size)
-        header = (
-            f"# Imported from {imported['path']} ({architecture.name}) by tools/import_hf.py.\n"
-            f"# The checkpoint is saved at TP={tp_size}; it reshards on load to the run's "
-            "parallel.tensor_parallel_size.\n"
-            "# data.paths is yours to give, e.g. on the command line:\n"
-            + "".join(f"#   {c}\n" for c in commands)
-        )
-        write_contents(
-            os.path.join(tmp, CONFIG_YAML), header + yaml.safe_dump(sections, sort_keys=False)
-        )
-    return os.path.join(output, checkpoint_name(0))
+        check_tp(cfg, tp_size)
+        sections["model"] = dataclasses.asdict(cfg.model)  # every model.* key, spelled out
+        weights = read_weights(hf_dir, architecture.base_prefix, architecture.head_prefixes)
+        source_weights = os.path.join(hf_dir, WEIGHTS)
+        full = architecture.import_tensors(cfg, weights, source_weights)
+        with staged(output) as tmp:
+            sections["tokenizer"] = copy_tokenizer(
+                source, os.path.join(tmp, "tokenizer"), os.path.join(output, "tokenizer")
+            )
+            cfg = dataclasses.replace(cfg, tokenizer=TokenizerConfig(**sections["tokenizer"]))
+            imported = {"path": os.path.abspath(hf_dir), "architecture": architecture.name}
+            extra = {"imported_from": imported}
+            write_checkpoint(
+                tmp, architecture.kind, cfg, full, tokenizer.vocab_size, source_weights, extra
+            )
+            commands = _commands(output, architecture.kind, tp_size)
+            header = (
+                f"# Imported from {imported['path']} ({architecture.name}) by tools/import_hf.py.\n"
+                f"# The checkpoint is saved at TP={tp_size}; it reshards on load to the run's "
+                "parallel.tensor_parallel_size.\n"
+                "# data.paths is yours to give, e.g. on the command line:\n"
+                + "".join(f"#   {c}\n" for c in commands)
+            )
+            write_contents(
+                os.path.join(tmp, CONFIG_YAML), header + yaml.safe_dump(sections, sort_keys=False)
+            )
+        return os.path.join(output, checkpoint_name(0))

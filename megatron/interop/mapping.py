@@ -2,9 +2,12 @@
 
 A ``Rule`` pairs one of our keys with the HF key(s) it becomes and names the conversion. Both
 directions read the same rule list, so export and import cannot disagree. Our fused QKV matrix
-orders its rows [head, (q, k, v), head_dim] (whole heads per TP rank); HF orders them
-[(q, k, v), head, head_dim], as one matrix (GPT-2's ``c_attn``) or three (BERT's query, key,
-value). GPT-2's ``Conv1D`` stores its weight as [in, out], the transpose of ``nn.Linear``'s.
+orders its rows [group, (q x heads / groups, k, v), head_dim] (whole query groups per TP rank;
+without grouped queries a group is one head: [head, (q, k, v), head_dim]); HF orders them
+[q (heads x head_dim), k, v (groups x head_dim each)], as one matrix (GPT-2's ``c_attn``) or
+three (BERT's query, key, value; Llama's q_proj, k_proj, v_proj). GPT-2's ``Conv1D`` stores its
+weight as [in, out], the transpose of ``nn.Linear``'s. Our SwiGLU ``fc1`` interleaves its rows
+[ffn, (gate, up)]; Llama's are two matrices, gate_proj and up_proj.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron.config.schema import Config
+from megatron.config.schema import Config, ModelConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.errors import ConfigError
 
@@ -26,48 +29,70 @@ from megatron.errors import ConfigError
 class Rule:
     """Our state-dict key, the HF key(s) holding the same numbers, and the conversion's name:
     ``same``, ``t`` (Conv1D, transposed), ``qkv`` (fused QKV bias), ``qkv_t`` (fused QKV Conv1D
-    weight) or ``qkv_split`` (QKV as separate q, k, v tensors)."""
+    weight), ``qkv_split`` (QKV as separate q, k, v tensors) or ``swiglu`` (fc1 as gate, up)."""
 
     ours: str
     hf: tuple[str, ...]
     kind: str = "same"
 
 
-def _by_head(t: Tensor, heads: int) -> Tensor:
-    """Rows [(q, k, v), head, head_dim] -> [head, (q, k, v), head_dim] (ours)."""
-    rest = t.shape[1:]
-    # [3, heads, head_dim, *rest] -> [heads, 3, head_dim, *rest]
-    return t.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(t.shape)
+@dataclass(frozen=True)
+class Heads:
+    """What the QKV conversions need of the model: query heads, key/value groups, head_dim."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> Heads:
+        """The attention shape of our ``model`` section."""
+        return cls(m.num_attention_heads, m.query_groups, m.head_dim)
+
+    def sizes(self) -> list[int]:
+        """Rows of HF's q, k and v."""
+        kv = self.groups * self.head_dim
+        return [self.heads * self.head_dim, kv, kv]
 
 
-def _by_part(t: Tensor, heads: int) -> Tensor:
-    """Rows [head, (q, k, v), head_dim] (ours) -> [(q, k, v), head, head_dim]."""
-    rest = t.shape[1:]
-    # [heads, 3, head_dim, *rest] -> [3, heads, head_dim, *rest]
-    return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+def _parts(t: Tensor, h: Heads) -> tuple[Tensor, Tensor, Tensor]:
+    """Our fused QKV rows -> HF's q, k, v (any trailing dims)."""
+    per = h.heads // h.groups
+    g = t.reshape(h.groups, per + 2, h.head_dim, *t.shape[1:])  # [groups, per + 2, d, *rest]
+    return g[:, :per].flatten(0, 2), g[:, per].flatten(0, 1), g[:, per + 1].flatten(0, 1)
 
 
-Convert = Callable[[tuple[Tensor, ...], int], tuple[Tensor, ...]]
-# kind -> (ours -> HF, HF -> ours); each takes a tuple of tensors and the number of heads.
+def _fused(q: Tensor, k: Tensor, v: Tensor, h: Heads) -> Tensor:
+    """HF's q, k, v -> our fused QKV rows."""
+    rest = q.shape[1:]
+    q = q.reshape(h.groups, h.heads // h.groups, h.head_dim, *rest)  # [groups, per, d, *rest]
+    k, v = (x.reshape(h.groups, 1, h.head_dim, *rest) for x in (k, v))  # [groups, 1, d, *rest]
+    return torch.cat((q, k, v), dim=1).flatten(0, 2)
+
+
+Convert = Callable[[tuple[Tensor, ...], Heads], tuple[Tensor, ...]]
+# kind -> (ours -> HF, HF -> ours); each takes a tuple of tensors and the attention shape.
 CONVERSIONS: dict[str, tuple[Convert, Convert]] = {
     "same": (lambda ts, h: ts, lambda ts, h: ts),
     "t": (lambda ts, h: (ts[0].t(),), lambda ts, h: (ts[0].t(),)),
     "qkv": (
-        lambda ts, h: (_by_part(ts[0], h),),
-        lambda ts, h: (_by_head(ts[0], h),),
+        lambda ts, h: (torch.cat(_parts(ts[0], h)),),
+        lambda ts, h: (_fused(*ts[0].split(h.sizes()), h),),
     ),
     "qkv_t": (
-        lambda ts, h: (_by_part(ts[0], h).t(),),
-        lambda ts, h: (_by_head(ts[0].t(), h),),
+        lambda ts, h: (torch.cat(_parts(ts[0], h)).t(),),
+        lambda ts, h: (_fused(*ts[0].t().split(h.sizes()), h),),
     ),
-    "qkv_split": (
-        lambda ts, h: _by_part(ts[0], h).chunk(3),
-        lambda ts, h: (_by_head(torch.cat(ts), h),),
+    "qkv_split": (lambda ts, h: _parts(ts[0], h), lambda ts, h: (_fused(*ts, h),)),
+    # fc1 [2 * ffn, h] rows (gate_0, up_0, gate_1, ...) <-> gate, up [ffn, h] each.
+    "swiglu": (
+        lambda ts, h: (ts[0][0::2], ts[0][1::2]),
+        lambda ts, h: (torch.stack(ts, dim=1).flatten(0, 1),),  # [ffn, 2, h] -> [2 * ffn, h]
     ),
 }
 
 
-def to_hf(rules: list[Rule], ours: dict[str, Tensor], heads: int) -> dict[str, Tensor]:
+def to_hf(rules: list[Rule], ours: dict[str, Tensor], heads: Heads) -> dict[str, Tensor]:
     """HF tensors (contiguous copies) from our full state dict; every key of ``ours`` is used."""
     unused = set(ours) - {r.ours for r in rules}
     if unused:
@@ -79,14 +104,23 @@ def to_hf(rules: list[Rule], ours: dict[str, Tensor], heads: int) -> dict[str, T
     return out
 
 
-def from_hf(rules: list[Rule], hf: dict[str, Tensor], heads: int, where: str) -> dict[str, Tensor]:
+def from_hf(
+    rules: list[Rule], hf: dict[str, Tensor], heads: Heads, where: str
+) -> dict[str, Tensor]:
     """Our full state dict from HF tensors; ConfigError naming ``where`` for a missing tensor."""
     out = {}
     for rule in rules:
         missing = [k for k in rule.hf if k not in hf]
         if missing:
             raise ConfigError(f"{where} has no tensor {missing[0]}: not a complete model")
-        converted = CONVERSIONS[rule.kind][1](tuple(hf[k] for k in rule.hf), heads)
+        try:
+            converted = CONVERSIONS[rule.kind][1](tuple(hf[k] for k in rule.hf), heads)
+        except RuntimeError:  # a reshape or concatenation the shapes do not allow
+            shapes = ", ".join(f"{k} {list(hf[k].shape)}" for k in rule.hf)
+            raise ConfigError(
+                f"{where}: {shapes} do not make our {rule.ours} of the shape config.json "
+                "implies; the weights do not fit their config"
+            ) from None
         out[rule.ours] = converted[0].contiguous().clone()
     return out
 
@@ -182,24 +216,29 @@ class Architecture(ABC):
     def sections(self, hf: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
         """Our config sections (``model``, and ``bert`` for BERT) for this config.json."""
 
+    def tied_copies(self, cfg: Config) -> dict[str, str]:
+        """HF keys that hold a copy of another in a model of this config (``tied``)."""
+        return self.tied
+
     def export_tensors(self, cfg: Config, ours: dict[str, Tensor]) -> dict[str, Tensor]:
         """HF tensors from our full (TP=1, real vocabulary) state dict."""
-        return to_hf(self.rules(cfg), ours, cfg.model.num_attention_heads)
+        return to_hf(self.rules(cfg), ours, Heads.of(cfg.model))
 
     def import_tensors(self, cfg: Config, hf: dict[str, Tensor], where: str) -> dict[str, Tensor]:
         """Our full state dict from HF tensors; refuses untied copies and unknown tensors."""
-        for copy, original in self.tied.items():
+        tied = self.tied_copies(cfg)
+        for copy, original in tied.items():
             if copy in hf and original in hf and not torch.equal(hf[copy], hf[original]):
                 raise ConfigError(
                     f"{where}: {copy} differs from {original}; our model ties them, so an untied "
                     "model cannot be converted exactly"
                 )
         rules = self.rules(cfg)
-        known = {k for r in rules for k in r.hf} | set(self.tied)
+        known = {k for r in rules for k in r.hf} | set(tied)
         unknown = [k for k in hf if k not in known and not k.endswith(self.ignored)]
         if unknown:
             raise ConfigError(
                 f"{where} holds {unknown[0]}, which a {self.name} of this config.json has not; "
                 "it is another architecture"
             )
-        return from_hf(rules, hf, cfg.model.num_attention_heads, where)
+        return from_hf(rules, hf, Heads.of(cfg.model), where)

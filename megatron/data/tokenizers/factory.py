@@ -51,7 +51,7 @@ _ALIAS_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 DEFAULT_EXTRA_IDS = {"BertWordPieceCase": 100}
 # Which families take each option; any other family refuses it rather than ignore it.
 _OPTION_FAMILIES = {
-    "tokenizer.vocab_size": ("tiktoken", "null"),
+    "tokenizer.vocab_size": ("tiktoken", "null", "hf"),
     "tokenizer.vocab_extra_ids": ("wordpiece", "sentencepiece", "hf"),
     "tokenizer.special_tokens": ("wordpiece", "sentencepiece", "hf", "tiktoken"),
     "tokenizer.sentencepiece_legacy": ("sentencepiece",),
@@ -174,4 +174,4 @@ def build_tokenizer(
         )
     if kind == "null":
         return NullTokenizer(vocab_size, null_eod_id, null_pad_id)
-    return HFTokenizer(model, extra, hf_include_special_tokens)
+    return HFTokenizer(model, extra, hf_include_special_tokens, vocab_size)

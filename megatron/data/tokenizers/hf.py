@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron.data.tokenizers.base import Tokenizer, require_file
+from megatron.data.tokenizers.base import Tokenizer, flagged, require_file
 from megatron.errors import ConfigError
 
 
@@ -58,7 +58,9 @@ class HFTokenizer(HFBacked):
     token, else its sep token, as in core), else from the usual spellings (``<|endoftext|>``,
     ``</s>``, ``[SEP]``, ...). ``extra_tokens`` are added as special tokens (new ones take the
     next ids); ``add_special_tokens`` runs the file's post-processor on every text (Megatron's
-    --tokenizer-hf-include-special-tokens).
+    --tokenizer-hf-include-special-tokens). ``vocab_size`` (at least the file's ids) adds ids the
+    file never produces: a model's embedding rows past its tokenizer's (Qwen2.5: 152064 rows for
+    151665 ids), which stay real vocabulary, as in the HF model.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class HFTokenizer(HFBacked):
         model: str | None,
         extra_tokens: list[str] | tuple = (),
         add_special_tokens: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         from tokenizers import Tokenizer as HFTokenizerCore
 
@@ -84,6 +87,14 @@ class HFTokenizer(HFBacked):
             self._add_specials(list(extra_tokens))
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
+        if vocab_size is not None:
+            if vocab_size < self.vocab_size:
+                raise ConfigError(
+                    f"{flagged('tokenizer.vocab_size')}={vocab_size} is below the "
+                    f"{self.vocab_size} ids of tokenizer.model={path}; give at least that many "
+                    "or drop it"
+                )
+            self.vocab_size = vocab_size
         config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
         self.files = (path, config) if os.path.isfile(config) else (path,)
         self.options = {}
