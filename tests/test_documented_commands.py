@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.llama3_tokenizer import write_llama3_style_tokenizer
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FIXTURES = ROOT / "tests" / "fixtures" / "tokenizers"
@@ -198,6 +200,17 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "runs/gpt2/tokenizer/merges.txt --append-eod": Run(),
     "python pretrain_gpt.py --config runs/gpt2/config.yaml "
     "data.paths=[data/corpus_gpt2_text_document] training.train_iters=5": Run(),
+    "python tools/import_hf.py --input hf/llama --output runs/llama --tensor-parallel-size 2 "
+    "--verify": Run(),
+    "python tools/preprocess_data.py --input data/corpus.jsonl --output-prefix data/corpus_llama "
+    "--tokenizer-type HuggingFaceTokenizer --tokenizer-model runs/llama/tokenizer/tokenizer.json "
+    "--append-eod": Run(),
+    "python pretrain_gpt.py --config runs/llama/config.yaml "
+    "data.paths=[data/corpus_llama_text_document] training.train_iters=5": Run(),
+    "python tools/evaluate.py --load runs/llama/finetuned --task lm --split valid": Run(),
+    "python tools/export_hf.py --load runs/llama/finetuned --output hf/llama_finetuned --verify": (
+        Run()
+    ),
     # docs/
     "python tools/bert_to_hdf5.py --data-path data/bert/bert_text_sentence --vocab-file "
     "data/bert/vocab.txt --output-prefix data/shards/train --seq-length 128": Run(),
@@ -254,6 +267,14 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     ),
     "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
     "configs/gpt_tiny.yaml": Run(append=SHORT),
+    "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
+    "--gpu-memory-gb 80 tokenizer.type=NullTokenizer tokenizer.vocab_size=128255": Run(),
+    "python pretrain_gpt.py --config configs/llama3_70b.yaml --dry-run --world-size 64 "
+    "--gpu-memory-gb 80 tokenizer.type=NullTokenizer tokenizer.vocab_size=128255": Run(),
+    "python pretrain_gpt.py --config configs/qwen2.5_7b.yaml --dry-run --world-size 8 "
+    "--gpu-memory-gb 80 tokenizer.type=NullTokenizer tokenizer.vocab_size=152063": Run(),
+    "python pretrain_gpt.py --config configs/mistral_7b.yaml --dry-run --world-size 8 "
+    "--gpu-memory-gb 80 tokenizer.type=NullTokenizer tokenizer.vocab_size=32767": Run(),
 }
 
 
@@ -271,7 +292,7 @@ def _workspace(base: Path) -> Path:
 def _user_files(ws: Path) -> None:
     """What the docs assume a user brings: a gzipped corpus and GPT-2's tokenizer files (the
     tests' small ones), the big configs' data (data/gpt2_text_document), prompts, an evaluation
-    text and a LAMBADA file, a Hugging Face GPT-2."""
+    text and a LAMBADA file, a Hugging Face GPT-2 and Llama (tiny, random)."""
     from tools.make_sample_corpus import iter_documents
 
     documents = iter(iter_documents())
@@ -302,6 +323,17 @@ def _user_files(ws: Path) -> None:
     GPT2LMHeadModel(config).save_pretrained(hf)
     shutil.copy(FIXTURES / "gpt2-vocab.json", hf / "vocab.json")
     shutil.copy(FIXTURES / "gpt2-merges.txt", hf / "merges.txt")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = ws / "hf" / "llama"
+    ids = write_llama3_style_tokenizer(str(llama))
+    config = LlamaConfig(
+        vocab_size=ids, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(llama)
 
 
 @pytest.fixture(scope="module")
