@@ -235,6 +235,17 @@ def test_dry_run_cli_answers_for_the_paper_setups():
     assert rc == 0 and "fits in" not in text and "FLOPs per iteration: 3.659e+16" in text
 
 
+def test_dry_run_without_an_hf_tokenizer_file_takes_the_configs_rows():
+    """Llama 3 8B before its import: tokenizer.vocab_size stands in for the absent file, and
+    the count is the published 8.03B; without it the file is asked for."""
+    argv = ["--config", "configs/llama3_8b.yaml", "--dry-run", "--world-size", "8"]
+    rc, text = _dry(argv)
+    assert rc == 0 and "hf ASSUMED (files absent; tokenizer.vocab_size 128256)" in text
+    assert "parameters: 8,030,261,248 total" in text
+    with pytest.raises(ConfigError, match="tokenizer.model: runs/llama3_8b-import"):
+        _dry([*argv, "tokenizer.vocab_size=null"])
+
+
 def _tiny(tmp_path, tokens: list[list[int]], *overrides: str):
     tmp_path.mkdir(parents=True, exist_ok=True)
     prefix = str(tmp_path / "corpus")

@@ -192,7 +192,8 @@ class TokenizerConfig:
     tiktoken_num_special_tokens: int = _doc("TikTokenizer ids before the BPE ranks.", 1000)
     vocab_size: int | None = _doc(
         "NullTokenizer: ids in the data (EOD is one more); TikTokenizer: vocabulary size "
-        "(null: 131072).",
+        "(null: 131072); hf: the model's embedding rows when above the file's ids (the rest "
+        "are never produced), and the dry run's vocabulary where the file is absent.",
         None,
     )
 

@@ -119,6 +119,8 @@ def vocab_size(cfg: Config, missing: list[str]) -> tuple[int, str]:
         from megatron.data.tokenizers.factory import build_tokenizer
 
         return build_tokenizer(**vars(tok)).vocab_size, f"{tok.type} from {', '.join(files)}"
+    if tok.type == "hf" and tok.vocab_size:  # the model's rows, which the file's ids fill
+        return tok.vocab_size, f"hf ASSUMED (files absent; tokenizer.vocab_size {tok.vocab_size})"
     # The standard files' sizes, assumed only when the files are absent here: GPT-2 BPE, and
     # Google's BERT WordPiece vocabularies (uncased, cased).
     known = {"gpt2": 50257, "wordpiece": 30522 if tok.lower_case else 28996}.get(tok.type)
