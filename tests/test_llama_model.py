@@ -25,7 +25,6 @@ import functools
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 
 from megatron.config.schema import padded_vocab_size
 from megatron.estimate.memory import count_parameters, layer_activation_bytes, stage_parameters
@@ -45,7 +44,7 @@ from tests.test_bert_model import losses as bert_losses
 from tests.test_document_mask import packed_batch
 from tests.test_estimate import saved_bytes
 from tests.test_layers import close, gather_param
-from tests.test_sequence_parallel import COLLECTIVES, _full_size
+from tests.test_sequence_parallel import recorded_collectives
 
 VOCAB = 250
 CPU = ParallelState.serial(torch.device("cpu"))
@@ -203,27 +202,16 @@ def _layer_collectives(st: ParallelState, variant: str) -> dict:
     tracker.seed(0, st.tp_rank)
     cfg = tiny_model_config(**VARIANTS[variant])
     rotary = RotaryEmbedding(cfg, st.device)(torch.arange(8)[None], torch.float32)
-    calls, real = [], {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name, fn):
-        return lambda *a, **k: (calls.append((name, _full_size(name, a))), fn(*a, **k))[1]
-
     out = {}
     for sp in (False, True):
         layer = TransformerLayer(cfg, st, tracker, 0, sequence_parallel=sp)
         x = torch.randn(2, 4 if sp else 8, 32, requires_grad=True)  # [b, s or s / tp, h]
-        for name in COLLECTIVES:
-            setattr(dist, name, counted(name, real[name]))
-        try:
+        with recorded_collectives() as calls:
             y = layer(x, None, rotary)
             forward = list(calls)
             calls.clear()
             y.sum().backward()
             out[sp] = forward, list(calls)
-            calls.clear()
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
     return out
 
 

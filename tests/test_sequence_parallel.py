@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -222,17 +224,30 @@ def _full_size(name: str, args: tuple) -> int:
     return args[0].numel()  # the tensor reduced in place, or the gathered output
 
 
-def collectives(st: ParallelState) -> dict:
-    """One layer's collectives (name, full size) forward and backward: plain TP, SP, SP with the
-    overlapped column-parallel backward."""
-    tracker = RNGTracker(st.device)
-    tracker.seed(0, st.tp_rank)
-    calls = []
+@contextlib.contextmanager
+def recorded_collectives() -> Iterator[list[tuple[str, int]]]:
+    """Every ``COLLECTIVES`` call made inside, as (name, full size), appended to the list
+    yielded; torch.distributed's own functions are back afterwards."""
+    calls: list[tuple[str, int]] = []
     real = {name: getattr(dist, name) for name in COLLECTIVES}
 
     def counted(name, fn):
         return lambda *a, **k: (calls.append((name, _full_size(name, a))), fn(*a, **k))[1]
 
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name, real[name]))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def collectives(st: ParallelState) -> dict:
+    """One layer's collectives (name, full size) forward and backward: plain TP, SP, SP with the
+    overlapped column-parallel backward."""
+    tracker = RNGTracker(st.device)
+    tracker.seed(0, st.tp_rank)
     out = {}
     for sp, overlap in [(False, False), (True, False), (True, True)]:
         layer = TransformerLayer(tiny_model_config(), st, tracker, 0, sequence_parallel=sp)
@@ -240,19 +255,12 @@ def collectives(st: ParallelState) -> dict:
             if isinstance(m, ColumnParallelLinear):  # the overlapped backward (off on CPU)
                 m.async_grad_allreduce = overlap
         x = torch.randn(2, 4 if sp else 8, 32, requires_grad=True)  # [b, s or s / tp, h]
-        for name in COLLECTIVES:
-            setattr(dist, name, counted(name, real[name]))
-        try:
+        with recorded_collectives() as calls:
             y = layer(x, None)
             forward = list(calls)
             calls.clear()
             y.sum().backward()
-            backward = list(calls)
-            calls.clear()
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-        out[sp, overlap] = forward, backward
+            out[sp, overlap] = forward, list(calls)
     return out
 
 

@@ -268,12 +268,18 @@ def test_dry_prints_the_command_and_runs_the_preflight(fake, tmp_path):
     assert not (log / "srun.args").exists() and not (tmp_path / "nccl").exists()
 
 
+def _fake_python(tmp_path, name: str, script: str) -> str:
+    """An executable ``script`` in the fake tools' bin directory, given as run_single_node.sh's
+    PYTHON."""
+    python = tmp_path / "bin" / name
+    python.write_text(script)
+    python.chmod(0o755)
+    return str(python)
+
+
 def test_single_node_command(fake, tmp_path):
     env, log = fake
-    python = tmp_path / "bin" / "python-record"
-    python.write_text(RECORD_PYTHON)
-    python.chmod(0o755)
-    env = {**env, "PYTHON": str(python), "NPROC": "2"}
+    env = {**env, "PYTHON": _fake_python(tmp_path, "python-record", RECORD_PYTHON), "NPROC": "2"}
     result = subprocess.run(
         ["bash", str(SINGLE), CONFIG, "training.train_iters=5"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
@@ -295,10 +301,7 @@ def test_single_node_command(fake, tmp_path):
 
 def test_single_node_mistake_is_one_line_before_torchrun(fake, tmp_path):
     env, log = fake
-    python = tmp_path / "bin" / "python-trace"
-    python.write_text(TRACE_PYTHON)
-    python.chmod(0o755)
-    env = {**env, "PYTHON": str(python), "NPROC": "2"}
+    env = {**env, "PYTHON": _fake_python(tmp_path, "python-trace", TRACE_PYTHON), "NPROC": "2"}
     inputs = small_inputs(tmp_path)
     for bad, says in (("optimizer.lr=-1", "optimizer.lr=-1.0"), ("data.paths=[nope/x]", "nope/x")):
         result = subprocess.run(
