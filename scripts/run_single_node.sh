@@ -84,6 +84,8 @@ export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 
 # The checks training runs before its first collective, in one process: exit 2 on a mistake.
 "$PYTHON" "$ENTRYPOINT" --preflight --world-size "$NPROC" --config "$CONFIG" "$@"
+# Its warnings are shown: the workers run the same checks and leave them out (pretrain.py).
+export MEGATRON_PREFLIGHT_PASSED=1
 
 # torchrun runs with the stop signals ignored and leaves them out of --signals-to-handle.
 STOP_SIGNALS=(SIGTERM SIGUSR1 SIGUSR2)

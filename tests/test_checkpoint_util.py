@@ -156,7 +156,13 @@ def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
     capsys.readouterr()
     assert main(["--input", str(damaged), "--summary"]) == 0
     assert "checksums   FAILED" in capsys.readouterr().out
+    taken, a_file = tmp_path / "outputs" / "taken", tmp_path / "outputs" / "a_file"
+    taken.mkdir(parents=True)
+    (taken / "notes.txt").write_text("the user's\n")
+    a_file.write_text("")
     cases = {
+        ("--input", str(src), "--output", str(taken), "--merge"): "already exists",
+        ("--input", str(src), "--output", str(a_file), "--merge"): "already exists",
         ("--input", str(damaged), "--output", str(tmp_path / "o1"), "--merge"): "sha256",
         ("--input", str(src), "--output", str(tmp_path / "o2"), "--target-tp", "3"): "divide",
         ("--input", str(src), "--output", str(src), "--merge"): "holds the input",
@@ -165,9 +171,10 @@ def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
         ("--input", str(src), "--iteration", "7", "--summary"): "no checkpoint of iteration 7",
     }
     for argv, message in cases.items():
-        assert main(list(argv)) == 1, argv
+        assert main(list(argv)) == 2, argv
         err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1, (argv, err)
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert os.listdir(taken) == ["notes.txt"]
     with pytest.raises(SystemExit):
         main(["--input", str(src)])
     with pytest.raises(SystemExit):

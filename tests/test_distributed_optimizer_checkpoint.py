@@ -140,7 +140,7 @@ def test_a_missing_shard_file_is_one_line(unbroken, tmp_path, capsys):
     ckpt = load / checkpoint_name(4)
     missing = ckpt / optim_file(1, 1)
     os.remove(missing)
-    assert main(["--input", str(load), "--output", str(tmp_path / "out"), "--merge"]) == 1
+    assert main(["--input", str(load), "--output", str(tmp_path / "out"), "--merge"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{missing} is missing" in err
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
+from megatron.launch.preflight import PREFLIGHT_PASSED
 from megatron.parallel.launcher import launcher_env
 from tests.fake_slurm import (
     BERT,
@@ -32,6 +33,7 @@ from tests.fake_slurm import (
     small_inputs,
     wait_for,
 )
+from tests.small_disk import SKIP_REASON, run_on_small_disk
 
 BERT_CONFIG = "configs/bert_tiny.yaml"
 
@@ -106,6 +108,7 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
     assert step_env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert step_env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl" / "trace_")
     assert (tmp_path / "nccl").is_dir()  # torch writes the dumps, but not the directory
+    assert step_env[PREFLIGHT_PASSED] == "1"  # the workers leave the preflight's warnings out
 
 
 def test_resume_from_the_save_directory(fake, tmp_path):
@@ -311,6 +314,46 @@ def test_single_node_mistake_is_one_line_before_torchrun(fake, tmp_path):
         assert says in _one_line(result)
     calls = (log / "python.calls").read_text().splitlines()
     assert len(calls) == 2 and all(" --preflight " in call for call in calls), calls
+
+
+# pretrain_gpt.py whose workers stop where pretrain() builds the process groups, right after
+# validate and its warnings: the part of a launch that prints them, without the training.
+STOP_AFTER_WARNINGS = """
+import runpy, sys
+
+from megatron.parallel import state
+
+
+def stop(*args, **kwargs):
+    print("worker validated", flush=True)
+    sys.exit(0)
+
+
+state.initialize = stop
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+def test_single_node_warns_once_per_launch(fake, tmp_path):
+    """checkpoint.save on a 2.5 MiB disk, short of room for two checkpoints of CONFIG (40 MiB
+    each): the preflight prints the warning and passes, rank 0's validate (the real one) then
+    leaves it out, so the launch shows it once."""
+    env, _ = fake
+    entry = tmp_path / "entry.py"
+    entry.write_text(STOP_AFTER_WARNINGS)
+    env.update(NPROC="1", ENTRYPOINT=str(entry), PYTHONPATH=str(ROOT),
+               LOG_DIR=str(tmp_path / "logs"))  # fmt: skip
+    disk = tmp_path / "disk"
+    argv = ["bash", str(SINGLE), CONFIG, *small_inputs(tmp_path)]
+    argv += ["parallel.tensor_parallel_size=1", f"checkpoint.save={disk / 'ckpt'}"]
+    done = run_on_small_disk(argv, str(disk), 5 << 19, env=env, cwd=str(ROOT), timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-3000:]
+    assert "preflight ok: configs/gpt_tiny.yaml at world size 1" in text
+    assert "worker validated" in text
+    assert text.count("and a save needs room for two") == 1, text[-3000:]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""A disk that fills or turns read-only under a save or preprocessing, and a damaged ``.gz`` input:
-one line, the documented exit code, nothing partial left, the previous checkpoint still loads.
+"""A disk that fills or turns read-only under a save, an offline conversion or preprocessing, and
+a damaged ``.gz`` input: one line, the documented exit code, nothing partial left, the previous
+checkpoint still loads.
 
 The disks are real tmpfs mounts (tests/small_disk.py) and each command runs inside the mount's
 namespace, so what it left there is copied out (``cp -a``) before the mount goes away.
@@ -91,6 +92,13 @@ def _left_behind(copy: Path, kept: int) -> None:
     assert not [n for n in os.listdir(copy) if ".tmp-" in n], os.listdir(copy)
     assert (copy / "latest").read_text() == f"{kept}\n"
     assert verify_checkpoint(str(copy / f"iter_{kept:07d}")) is None
+
+
+def _refusal(read_only: bool) -> tuple[str, str]:
+    """The reason a full (or read-only) disk gives, and the fix its line suggests."""
+    if read_only:
+        return "read-only file system", "make it writable"
+    return "no space left on device", "free space"
 
 
 @needs_small_disk
@@ -195,9 +203,7 @@ def test_preprocessing_onto_a_full_or_read_only_disk(gpt_data, tmp_path, read_on
     script = f'"$@"; rc=$?; ls -A {shlex.quote(str(out))}; exit $rc'
     done = _in_namespace(script, tool, out, 400_000, read_only=read_only)
     assert done.returncode == 4, done.stderr[-3000:]
-    reason, fix = "no space left on device", "free space"
-    if read_only:
-        reason, fix = "read-only file system", "make it writable"
+    reason, fix = _refusal(read_only)
     line = re.escape(f"--output-prefix {out}/corpus: cannot write there ({reason}: ")
     line += r"([\d.]+) MiB written, [\d.]+ MiB free\); "
     line += re.escape(f"no partial output is left; {fix} or give another --output-prefix")
@@ -205,6 +211,32 @@ def test_preprocessing_onto_a_full_or_read_only_disk(gpt_data, tmp_path, read_on
     assert found, done.stderr[-3000:]
     assert (float(found[1]) == 0) == read_only  # a full disk took the first chunk
     assert done.stdout == ""  # ls: no .bin, .idx, sidecar or temporary file
+
+
+@needs_small_disk
+@pytest.mark.parametrize("read_only", [False, True], ids=["full", "read-only"])
+def test_a_conversion_onto_a_full_or_read_only_disk(
+    measured, checkpoint_bytes, tmp_path, read_only
+):
+    """tools/checkpoint_util.py --merge (megatron.checkpoint.save_offline, the HF import's save
+    too) onto a disk of half a checkpoint, or a read-only one: exit 4, one line naming the
+    checkpoint, the bytes it needs and those free; no file or temporary directory left."""
+    disk = tmp_path / "disk"
+    tool = [sys.executable, "tools/checkpoint_util.py", "--input", str(measured), "--merge"]
+    tool += ["--output", str(disk / "merged")]
+    script = f'"$@"; rc=$?; ls -A {shlex.quote(str(disk / "merged"))} 2>/dev/null; exit $rc'
+    done = _in_namespace(script, tool, disk, checkpoint_bytes // 2, read_only=read_only)
+    assert done.returncode == 4, done.stderr[-3000:]
+    reason, fix = _refusal(read_only)
+    line = re.escape(f"error: cannot write {disk}/merged/iter_0000002 ({reason}: needs about ")
+    line += r"([\d.]+) MiB, ([\d.]+) MiB free\); "
+    line += re.escape(f"nothing of it is left; {fix} or write it elsewhere")
+    found = re.fullmatch(line, done.stderr.strip())
+    assert found, done.stderr[-3000:]
+    needed, free = float(found[1]), float(found[2])
+    assert abs(needed * 2**20 - checkpoint_bytes) < 0.1 * checkpoint_bytes
+    assert read_only or free < needed
+    assert done.stdout == ""  # ls: no temporary directory, no iter_*, no latest
 
 
 @pytest.mark.parametrize(

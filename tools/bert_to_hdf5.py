@@ -116,14 +116,15 @@ def convert(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; a user mistake prints one line and returns 1."""
+    """Command-line entry point; a user mistake prints one line and returns its exit code (2;
+    4: storage refused a write)."""
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     try:
         paths = convert(args)
     except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 1
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     print(
         f"wrote {len(paths)} shards to {args.output_prefix}_*.hdf5 in "
         f"{time.perf_counter() - start:.1f} s"

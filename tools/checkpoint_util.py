@@ -8,17 +8,17 @@
 ``--input`` is a save directory (the checkpoint its ``latest`` names, or ``--iteration N``) or one
 ``iter_*`` directory. ``--summary`` counts tensors, elements and bytes per group (the embedding,
 each kind of sublayer over all layers, each kind of optimizer state); ``--tensors`` lists every
-tensor instead. ``--output`` becomes a save directory holding one complete checkpoint (meta.json
-with checksums, ``latest``), to be used as ``checkpoint.load`` at the target TP size; ``--merge``
-is ``--target-tp 1``: a single tensor file. A checkpoint of several pipeline stages (one file
-per (TP, PP) rank) is always merged across them: the output is at PP = 1, each tensor read from
-the stage that saved it, as training's load reads it (megatron.checkpoint.stages; the tied word
-table from the first stage); training loads either at any PP size. Model weights and optimizer
-state are converted exactly; RNG states belong to the old world, so a run resuming from the
-output reseeds them from (seed, iteration), with a warning. ``--weights-only`` drops the
-optimizer state (meta.json says ``weights_only``): the output is a starting point for
-``checkpoint.finetune=true`` and for inference and export (tools/generate.py,
-tools/export_hf.py), and a full resume refuses it.
+tensor instead. ``--output`` (new, or an empty directory) becomes a save directory holding one
+complete checkpoint (meta.json with checksums, ``latest``), to be used as ``checkpoint.load`` at
+the target TP size; ``--merge`` is ``--target-tp 1``: a single tensor file. A checkpoint of
+several pipeline stages (one file per (TP, PP) rank) is always merged across them: the output is
+at PP = 1, each tensor read from the stage that saved it, as training's load reads it
+(megatron.checkpoint.stages; the tied word table from the first stage); training loads either at
+any PP size. Model weights and optimizer state are converted exactly; RNG states belong to the
+old world, so a run resuming from the output reseeds them from (seed, iteration), with a
+warning. ``--weights-only`` drops the optimizer state (meta.json says ``weights_only``): the
+output is a starting point for ``checkpoint.finetune=true`` and for inference and export
+(tools/generate.py, tools/export_hf.py), and a full resume refuses it.
 
 A checkpoint of the distributed optimizer (``parallel.distributed_optimizer``: one optimizer
 shard file per TP, PP and DP rank) is read through the same path as training's load: each TP rank's
@@ -54,6 +54,8 @@ from megatron.checkpoint.optim_shards import all_optim_layout  # noqa: E402
 from megatron.checkpoint.stages import open_checkpoint  # noqa: E402
 from megatron.config.schema import padded_vocab_size  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
+from megatron.interop.staging import check_output  # noqa: E402
+from megatron.launch.torchrun import exit_with  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +191,7 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
             raise ConfigError(f"--target-tp {tp_size} does not divide {key} {info['shape']}")
     if os.path.realpath(out) == os.path.realpath(os.path.dirname(src)):
         raise ConfigError(f"--output {out} holds the input; choose another directory")
+    check_output(out)  # a checkpoint or files of the user's there would be replaced or mixed in
     divisible_by = meta["config"]["model"]["make_vocab_size_divisible_by"]
     padded = padded_vocab_size(meta["vocab_size"], divisible_by, tp_size)
     new_layout = copy.deepcopy(layout)
@@ -226,7 +229,8 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; a user mistake prints one line and returns 1."""
+    """Command-line entry point; a user mistake prints one line and returns 2 (4: the output's
+    disk refused a write)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     target = 1 if args.merge else args.target_tp
@@ -244,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             path = reshard(src, args.output, target, args.weights_only)
             use = " checkpoint.finetune=true" if args.weights_only else ""
             print(f"wrote {path} (TP={target}, PP=1); use it as checkpoint.load={args.output}{use}")
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 1
+    except ConfigError as err:
+        return exit_with(err)
     return 0
 
 

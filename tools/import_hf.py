@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if diff <= TOLERANCE else 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     return 0
 
 

@@ -391,9 +391,30 @@ def save_offline(
 
     ``files`` yields (name, tensors) one file at a time, so only one is held in memory; ``meta``
     is meta.json, whose ``files`` (the sha256 of each file) are filled in here. Atomic like every
-    save: nothing appears under ``iter_*`` or in ``latest`` until every file is written.
+    save: nothing appears under ``iter_*`` or in ``latest`` until every file is written, and a
+    save that fails removes its temporary directory. Where storage refused a write (a full or
+    read-only disk) that is a one-line StorageError naming the checkpoint, the bytes it needs
+    (``meta``'s ``tensors``, in each of its ``tp_size`` files) and those free.
     """
-    tmp = os.path.join(save_dir, f"{checkpoint_name(meta['iteration'])}.tmp-{secrets.token_hex(6)}")
-    os.makedirs(tmp)
-    sums = {n: write_tensors(os.path.join(tmp, n), tensors) for n, tensors in files}
-    return publish(tmp, save_dir, {**meta, "files": sums}, keep_last=None)
+    final = os.path.join(save_dir, checkpoint_name(meta["iteration"]))
+    tmp = f"{final}.tmp-{secrets.token_hex(6)}"
+    try:
+        os.makedirs(tmp)
+        sums = {n: write_tensors(os.path.join(tmp, n), tensors) for n, tensors in files}
+        return publish(tmp, save_dir, {**meta, "files": sums}, keep_last=None)
+    except BaseException as error:
+        shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
+        refused = refusal(error)
+        if refused is None:
+            raise
+        reason, fix = refused
+        needed = sum(
+            torch.Size(info["shape"]).numel()
+            * getattr(torch, info["dtype"]).itemsize
+            * (meta["tp_size"] if info["split_dim"] is None else 1)  # replicated: in every file
+            for info in meta["tensors"].values()
+        )
+        raise StorageError(
+            f"cannot write {final} ({reason}: needs about {mib(needed)}, "
+            f"{mib(free_bytes(save_dir))} free); nothing of it is left; {fix} or write it elsewhere"
+        ) from error

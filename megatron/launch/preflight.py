@@ -14,6 +14,9 @@ from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
 
+# Exported (=1) by the launch scripts once their --preflight, which prints the warnings, passed.
+PREFLIGHT_PASSED = "MEGATRON_PREFLIGHT_PASSED"
+
 
 def _check_files(cfg: Config) -> int:
     """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id;

@@ -35,7 +35,7 @@ from megatron.data.token_range import check_data_ids
 from megatron.data.tokenizers.factory import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
 from megatron.launch.heartbeat import PEER_FAILURE, Heartbeat
-from megatron.launch.preflight import validate
+from megatron.launch.preflight import PREFLIGHT_PASSED, validate
 from megatron.launch.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
 from megatron.launch.torchrun import exit_with
 from megatron.logging import log, setup_logging
@@ -99,7 +99,9 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
     stop, 1: a peer was lost)."""
     world_size = int(launcher_env()["WORLD_SIZE"])
     warnings = validate(cfg, world_size)  # every user mistake surfaces here, before any collective
-    for warning in warnings if int(launcher_env()["RANK"]) == 0 else ():
+    # A launch script's preflight ran these same checks and printed the warnings: once a launch.
+    shown = os.environ.get(PREFLIGHT_PASSED) == "1"
+    for warning in warnings if int(launcher_env()["RANK"]) == 0 and not shown else ():
         print(f"WARNING: {warning}")  # stdout, as rank 0's log, whose logger is not set up yet
     start_time = time.time()
     # Installed before the slow setup: a signal that comes while indices are built is then acted

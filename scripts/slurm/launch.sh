@@ -226,6 +226,9 @@ fi
 # one line and exit 2, and no node starts.
 "$PYTHON" "$ENTRYPOINT" --preflight --world-size "$((NNODES * GPUS_PER_NODE))" \
     --config "$CONFIG" "${OVERRIDES[@]}"
+# Its warnings are shown: the workers (srun passes the environment on) run the same checks and
+# leave them out (pretrain.py).
+export MEGATRON_PREFLIGHT_PASSED=1
 TRAIN=("$ENTRYPOINT" --config "$CONFIG" "${OVERRIDES[@]}")
 SRUN=(srun --job-name="$STEP_NAME" --nodes="$NNODES" --kill-on-bad-exit=1)
 if [[ $LAUNCHER == torchrun ]]; then
