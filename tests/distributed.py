@@ -13,15 +13,18 @@ seconds importing them, and, like a spawned one, shares no state with the test p
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -30,6 +33,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_ports() -> Iterator[str]:
+    """In a child: the MASTER_PORT of each process group it starts one after another, each
+    picked by rank 0 just before its use and shared through a store on the child's own port.
+
+    Ports picked up front for a list of runs stay free only by luck for the minutes the list
+    takes: another test's process, or any outgoing connection's ephemeral port, may take one.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(minutes=10))
+    for i in itertools.count():
+        if rank == 0:
+            store.set(f"port{i}", str(free_port()))
+        yield store.get(f"port{i}").decode()
 
 
 # Imported once, in the fork server; a module that is missing is skipped there.

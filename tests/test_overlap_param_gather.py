@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megatron.launch.preflight import validate
-from tests.distributed import free_port, run_distributed
+from tests.distributed import rendezvous_ports, run_distributed
 from tests.gpt_run import tiny_overrides
 from tests.test_config import error_of, tiny
 from tests.test_distributed_optimizer import train_tiny_gpt
@@ -85,14 +85,15 @@ def test_overlapped_gathers_train_bit_identically_and_wait_on_first_use():
             assert set(overlapped["left"]) == {0}
 
 
-def _entrypoint_child(runs: list[list[str]], ports: list[int]) -> None:
+def _entrypoint_child(runs: list[list[str]]) -> None:
     import pretrain_gpt
     from megatron.training.pretrain import main
 
     _make_all_gathers_lazy()
     providers = pretrain_gpt.datasets_provider, pretrain_gpt.forward_step
-    for overrides, port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    ports = rendezvous_ports()
+    for overrides in runs:
+        os.environ["MASTER_PORT"] = next(ports)
         code = main(
             ["--config", "configs/gpt_tiny.yaml", *overrides],
             "",
@@ -122,7 +123,7 @@ def test_pp2_dp2_entrypoint_runs_and_checkpoints_like_the_blocking_gather(gpt_da
         run = tmp_path / f"overlap_{overlap}"
         extra = {"parallel.overlap_param_gather": overlap, "checkpoint.save": run / "ckpt"}
         runs.append(tiny_overrides(gpt_data, run, **shape, **extra))
-    run_distributed(_entrypoint_child, 4, runs, [free_port() for _ in runs], timeout=120)
+    run_distributed(_entrypoint_child, 4, runs, timeout=120)
     blocking, overlapped = (tmp_path / f"overlap_{o}" for o in (False, True))
     lines = metric_lines(blocking / "metrics.jsonl")
     assert len(lines) > ITERS and lines == metric_lines(overlapped / "metrics.jsonl")

@@ -20,7 +20,7 @@ import os
 import pytest
 
 from megatron.checkpoint.format import checkpoint_name, optim_file, read_meta, shard_file
-from tests.distributed import free_port, run_distributed
+from tests.distributed import rendezvous_ports, run_distributed
 from tests.gpt_run import tiny_overrides
 from tests.test_resume import losses, metric_lines, only_checkpoint, rel
 from tools.checkpoint_util import main as checkpoint_util
@@ -42,21 +42,22 @@ TP1 = {"parallel.tensor_parallel_size": 1}
 DROPOUT = {"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}
 
 
-def _train(runs: list[list[str]], ports: list[int]) -> None:
+def _train(runs: list[list[str]]) -> None:
     """In a spawned rank: ``training.main`` of pretrain_gpt.py for each override list, one after
     another, each on its own rendezvous port (one spawn serves several runs)."""
     import pretrain_gpt
     from megatron.training.pretrain import main
 
     providers = pretrain_gpt.datasets_provider, pretrain_gpt.forward_step
-    for overrides, port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    ports = rendezvous_ports()
+    for overrides in runs:
+        os.environ["MASTER_PORT"] = next(ports)
         code = main(["--config", CONFIG, *overrides], "", *providers)
         assert code == 0, overrides
 
 
 def _spawn(world: int, runs: list[list[str]]) -> None:
-    run_distributed(_train, world, runs, [free_port() for _ in runs], timeout=600)
+    run_distributed(_train, world, runs, timeout=600)
 
 
 def _run(gpt_data, run_dir, **extra) -> list[str]:

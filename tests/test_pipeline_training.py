@@ -31,7 +31,7 @@ from megatron.models.bert import BertModel
 from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from tests.distributed import free_port, run_distributed
+from tests.distributed import rendezvous_ports, run_distributed
 from tests.gpt_run import read_metrics, start_torchrun, tiny_overrides
 from tests.model_config import tiny_model_config
 from tests.test_hang import launch_ranks
@@ -102,7 +102,7 @@ def test_stages_hold_the_whole_models_tensors_under_its_names(model_cls, pp, chu
     assert seen == set(whole)
 
 
-def _train(runs: list[tuple[str, str, list[str]]], ports: list[int]) -> list[dict[str, list]]:
+def _train(runs: list[tuple[str, str, list[str]]]) -> list[dict[str, list]]:
     """In a spawned rank: ``training.main`` of each (entrypoint module, config, overrides), one
     after another, each on its own rendezvous port. Per run and training step: "in_flight",
     (stage, most micro-batches in flight) of its schedule on this rank, and "buckets", (DP
@@ -129,9 +129,9 @@ def _train(runs: list[tuple[str, str, list[str]]], ports: list[int]) -> list[dic
         finish(self)
 
     PipelineStage.run, DataParallel.finish_grad_sync = recorded_run, recorded_finish
-    per_run = []
-    for (module, config, overrides), port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    per_run, ports = [], rendezvous_ports()
+    for module, config, overrides in runs:
+        os.environ["MASTER_PORT"] = next(ports)
         entry = importlib.import_module(module)
         providers = entry.datasets_provider, entry.forward_step
         model_type = module.removeprefix("pretrain_")
@@ -144,7 +144,7 @@ def _train(runs: list[tuple[str, str, list[str]]], ports: list[int]) -> list[dic
 
 
 def _spawn(world: int, runs: list[tuple[str, str, list[str]]]) -> list[list[dict[str, list]]]:
-    return run_distributed(_train, world, runs, [free_port() for _ in runs], timeout=600)
+    return run_distributed(_train, world, runs, timeout=600)
 
 
 def _gpt(gpt_data, tmp_path, name: str, **extra) -> tuple[str, str, list[str]]:
