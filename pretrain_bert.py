@@ -40,8 +40,9 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tensor:
     """The masked-LM loss summed over the masked tokens, and the binary head's cross entropy
-    summed over the samples, each with its count; on a pipeline stage whose output goes on to the
-    next, that output."""
+    summed over the samples, each with its count over the whole samples (with context
+    parallelism this rank holds a share of the tokens, and the [CLS] only on ring rank 0); on a
+    pipeline stage whose output goes on to the next, that output."""
     lm, binary = model(
         batch["text"],
         batch["types"],
@@ -52,10 +53,12 @@ def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tenso
     if not model.computes_loss:
         return lm
     mask = batch["loss_mask"]
-    losses = {"lm loss": ((lm * mask).sum(), mask.sum())}
+    losses = {"lm loss": ((lm * mask).sum(), batch["loss_tokens"])}
     if binary is not None:
         labels = batch["is_random"]
         total = F.cross_entropy(binary.float(), labels, reduction="sum")
+        if "holds_first_token" in batch:
+            total = total * batch["holds_first_token"]
         losses[f"{model.binary_task} loss"] = (total, labels.numel())
     return losses
 

@@ -34,8 +34,9 @@ def datasets_provider(cfg: Config, tokenizer: Tokenizer, num_samples: tuple[int,
 
 
 def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tensor:
-    """The per-token loss summed over the tokens the loss mask keeps, and their count; on a
-    pipeline stage whose output goes on to the next, that output."""
+    """The per-token loss summed over the tokens the loss mask keeps, and their count over the
+    whole samples (``loss_tokens``: with context parallelism this rank holds a share of them);
+    on a pipeline stage whose output goes on to the next, that output."""
     output = model(
         batch["tokens"],
         batch["position_ids"],
@@ -45,7 +46,7 @@ def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tenso
     if not model.computes_loss:
         return output
     mask = batch["loss_mask"]
-    return {"lm loss": ((output * mask).sum(), mask.sum())}
+    return {"lm loss": ((output * mask).sum(), batch["loss_tokens"])}
 
 
 if __name__ == "__main__":

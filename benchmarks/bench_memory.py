@@ -47,10 +47,11 @@ import sys
 import time
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.memory_probe import build_gpt, saved_bytes  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.config.schema import Config, padded_vocab_size  # noqa: E402
 from megatron.estimate.memory import DTYPE_BYTES, layer_activation_bytes, worst_stage  # noqa: E402
@@ -77,19 +78,6 @@ def bench_config(dtype: str, tp: int, distributed: bool, sequence: bool, dropout
     )
 
 
-def _build(cfg: Config, state) -> nn.Module:
-    """The GPT of ``cfg`` on ``state``'s TP group, in the config's dtype, as training builds it."""
-    from megatron.config.dtypes import DTYPES
-    from megatron.models.build import build_model
-    from megatron.parallel.random import RNGTracker
-
-    tracker = RNGTracker(state.device)
-    tracker.seed(cfg.training.seed, state.tp_rank)
-    padded = padded_vocab_size(VOCAB, cfg.model.make_vocab_size_divisible_by, state.tp_size)
-    model = build_model("gpt", cfg, VOCAB, padded, state, tracker)
-    return model.to(DTYPES[cfg.precision.dtype]).train()
-
-
 def _storages(tensors: list[Tensor], exclude: set[int]) -> int:
     """Bytes of the distinct storages behind ``tensors``, leaving out those in ``exclude``."""
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -108,7 +96,7 @@ def _optimizer_child(dtypes: list[str]) -> dict:
     for dtype in dtypes:
         for distributed in (False, True):
             cfg = bench_config(dtype, 1, distributed, False, 0.0)
-            model = _build(cfg, state)
+            model = build_gpt(cfg, state, VOCAB)
             ddp = DataParallel(model, state, cfg.parallel.ddp_bucket_size_mb, distributed)
             opt = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
             g = torch.Generator().manual_seed(state.dp_rank)
@@ -132,38 +120,6 @@ def _optimizer_child(dtypes: list[str]) -> dict:
     return out
 
 
-def _saved_bytes(model: nn.Module, tokens: Tensor) -> tuple[list[int], int]:
-    """One forward to the logits: the bytes of the distinct storages saved for backward, charged
-    to the layer whose forward first saves them, and in all (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = list(model.transformer.layers)
-    owner: dict[int, int] = {}  # storage -> the layer it was first saved in (-1: outside)
-    nbytes: dict[int, int] = {}
-    current = {"layer": -1}  # the layer whose forward is running, set by the module hooks
-
-    def enter(index: int):
-        return lambda *_: current.update(layer=index)
-
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(enter(i)))
-        handles.append(layer.register_forward_hook(enter(-1)))
-
-    def pack(t: Tensor) -> Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in owner:
-            owner[ptr], nbytes[ptr] = current["layer"], t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens)
-    for handle in handles:
-        handle.remove()
-    del logits
-    per_layer = [sum(n for ptr, n in nbytes.items() if owner[ptr] == i) for i in range(len(layers))]
-    return per_layer, sum(nbytes.values())
-
-
 def _activation_child(dtype: str, dropouts: list[float]) -> dict:
     """Per hidden dropout, sequence parallelism off and on: each layer's and the model's saved
     bytes on this TP rank."""
@@ -174,11 +130,11 @@ def _activation_child(dtype: str, dropouts: list[float]) -> dict:
     for dropout in dropouts:
         for sequence in (False, True):
             cfg = bench_config(dtype, 2, False, sequence, dropout)
-            model = _build(cfg, state)
+            model = build_gpt(cfg, state, VOCAB)
             g = torch.Generator().manual_seed(0)  # the same tokens on both TP ranks
             b, s = cfg.training.micro_batch_size, cfg.model.seq_length
             tokens = torch.randint(0, VOCAB, (b, s), generator=g)
-            out[dropout, sequence] = _saved_bytes(model, tokens)
+            out[dropout, sequence] = saved_bytes(model, tokens)
     return out
 
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,6 +237,27 @@ def test_dry_run_cli_answers_for_the_paper_setups():
     assert rc == 1 and "fits in 32 GB: no" in text and "hint:" in text
     rc, text = _dry(["--config", "configs/gpt_8.3b.yaml", "--dry-run", "--world-size", "8"])
     assert rc == 0 and "fits in" not in text and "FLOPs per iteration: 3.659e+16" in text
+
+
+def test_dry_run_into_a_closed_pipe_exits_quietly():
+    """``--dry-run | head -3`` where head has gone before the report is written (the read end
+    of a real pipe closed before the start): exit 141, as `cat` there would, and no
+    BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    argv = [sys.executable, "pretrain_gpt.py", "--config", "configs/gpt_tiny.yaml", "--dry-run"]
+    try:
+        done = subprocess.run(
+            [*argv, f"tokenizer.model={SP_MODEL}"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_dry_run_without_an_hf_tokenizer_file_takes_the_configs_rows():

@@ -37,13 +37,19 @@ def shard_file(tp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
 
 
 def optim_file(tp_rank: int, dp_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
-    """The file of one (TP, PP, DP) rank's distributed-optimizer shard."""
+    """The file of one (TP, PP, DP) rank's distributed-optimizer shard; with context
+    parallelism ``dp_rank`` is the rank's place among the DP x CP replicas it shards over."""
     return f"optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_dp{dp_rank:03d}.safetensors"
 
 
 def pp_size_of(meta: dict[str, Any]) -> int:
     """The pipeline size a checkpoint was saved at (1 for those saved before PP existed)."""
     return meta.get("pp_size", 1)
+
+
+def cp_size_of(meta: dict[str, Any]) -> int:
+    """The context-parallel size a checkpoint was saved at (1 for those saved before CP)."""
+    return meta.get("cp_size", 1)
 
 
 def stage_files(meta: dict[str, Any], pp_rank: int) -> list[str]:
@@ -55,7 +61,7 @@ def optim_files(meta: dict[str, Any]) -> list[str]:
     """The optimizer shard files of a distributed-optimizer checkpoint; [] for any other."""
     if not meta.get("distributed_optimizer"):
         return []
-    pp, tp, dp = pp_size_of(meta), meta["tp_size"], meta["dp_size"]
+    pp, tp, dp = pp_size_of(meta), meta["tp_size"], meta["dp_size"] * cp_size_of(meta)
     return [optim_file(t, d, p, pp) for p in range(pp) for t in range(tp) for d in range(dp)]
 
 

@@ -24,6 +24,7 @@ from megatron.checkpoint.format import (
     META,
     check_files,
     checkpoint_name,
+    cp_size_of,
     open_safetensors,
     pp_size_of,
     read_meta,
@@ -229,8 +230,9 @@ def _read_rng(
     path: str, meta: dict[str, Any], state: ParallelState
 ) -> tuple[dict[str, Tensor], dict[str, str]] | None:
     """This rank's saved RNG states; None when they belong to another world or device."""
-    here = (state.tp_size, state.pp_size, state.dp_size, state.device.type)
-    saved = (meta["tp_size"], pp_size_of(meta), meta["dp_size"], meta["device_type"])
+    here = (state.tp_size, state.pp_size, state.dp_size, state.cp_size, state.device.type)
+    saved = (meta["tp_size"], pp_size_of(meta), meta["dp_size"], cp_size_of(meta))
+    saved += (meta["device_type"],)
     if not meta["rng"] or saved != here:
         return None
     f = open_safetensors(os.path.join(path, rng_file(state.rank)))
@@ -297,11 +299,12 @@ def load_checkpoint(
         else:
             if state.rank == 0:
                 logger.warning(
-                    "%s was saved at TP=%d x DP=%d x PP=%d on %s, this run is TP=%d x DP=%d x "
-                    "PP=%d on %s: RNG states cannot carry over; reseeding from (seed=%d, "
-                    "iteration=%d)",
-                    path, meta["tp_size"], meta["dp_size"], pp_size_of(meta), meta["device_type"],
-                    state.tp_size, state.dp_size, state.pp_size, state.device.type,
+                    "%s was saved at TP=%d x DP=%d x CP=%d x PP=%d on %s, this run is TP=%d x "
+                    "DP=%d x CP=%d x PP=%d on %s: RNG states cannot carry over; reseeding from "
+                    "(seed=%d, iteration=%d)",
+                    path, meta["tp_size"], meta["dp_size"], cp_size_of(meta), pp_size_of(meta),
+                    meta["device_type"], state.tp_size, state.dp_size, state.cp_size,
+                    state.pp_size, state.device.type,
                     meta["seed"], meta["iteration"],
                 )  # fmt: skip
             tracker.seed(reseed(meta["seed"], meta["iteration"]), state.tp_rank)

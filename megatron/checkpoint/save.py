@@ -147,7 +147,7 @@ def files_written_by(state: ParallelState, distributed_optimizer: bool = False) 
     tp_rank, pp_rank, pp_size = state.tp_rank, state.pp_rank, state.pp_size
     names = [shard_file(tp_rank, pp_rank, pp_size)] if state.writes_checkpoint_shard else []
     if distributed_optimizer:
-        names.append(optim_file(tp_rank, state.dp_rank, pp_rank, pp_size))
+        names.append(optim_file(tp_rank, state.replica_rank, pp_rank, pp_size))
     return names + [rng_file(state.rank)]
 
 
@@ -216,10 +216,10 @@ def capture(
         rng, header = rng_state(state, train.tracker)
         parts = {mine: (tensors, None), rng_file(state.rank): (rng, header)}
         if distributed:
-            shard = optim_file(state.tp_rank, state.dp_rank, state.pp_rank, state.pp_size)
+            shard = optim_file(state.tp_rank, state.replica_rank, state.pp_rank, state.pp_size)
             flat = optimizer.shard_state()  # the flat fp32 tensors (live references)
             parts[shard] = ({key: flat[key] for key in FIELDS}, None)
-            if state.dp_rank == 0:
+            if state.replica_rank == 0:
                 job.layout = (state.pp_rank * state.tp_size + state.tp_rank, optimizer.layout())
         take = take or (lambda _, t: t)
         for name in names:
@@ -234,6 +234,7 @@ def capture(
                 "tp_size": state.tp_size,
                 "pp_size": state.pp_size,
                 "dp_size": state.dp_size,
+                "cp_size": state.cp_size,
                 "world_size": state.world_size,
                 "device_type": state.device.type,
                 "vocab_size": vocab_size,

@@ -14,7 +14,7 @@ from megatron.errors import ConfigError
 _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
     model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
     model.layernorm_epsilon model.rotary_base model.num_query_groups model.kv_channels
-    parallel.tensor_parallel_size parallel.pipeline_parallel_size
+    parallel.tensor_parallel_size parallel.pipeline_parallel_size parallel.context_parallel_size
     parallel.virtual_pipeline_size parallel.timeout_minutes
     parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
     training.train_iters training.train_samples training.eval_interval training.exit_interval
@@ -54,11 +54,12 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def check_world(cfg: Config, world_size: int) -> None:
-    """The checks that need the world size: tp * pp | world, tp | heads, mbs * dp | gbs, and
-    the interleaved schedule's micro-batches a multiple of pp."""
+    """The checks that need the world size: tp * cp * pp | world, tp | heads, mbs * dp | gbs,
+    and the interleaved schedule's micro-batches a multiple of pp."""
     _check_ranges(cfg)
     tp, heads = cfg.parallel.tensor_parallel_size, cfg.model.num_attention_heads
     pp, virtual = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size
+    cp = cfg.parallel.context_parallel_size
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1; fix --world-size")
     if world_size % tp:
@@ -71,6 +72,13 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"parallel.tensor_parallel_size={tp} x parallel.pipeline_parallel_size={pp} = "
             f"{tp * pp} does not divide the world size {world_size}; launch a multiple of "
             f"{tp * pp} GPUs or use a pipeline size of {_divisors(world_size // tp)}"
+        )
+    if world_size % (tp * cp * pp):
+        raise ConfigError(
+            f"parallel.tensor_parallel_size={tp} x parallel.context_parallel_size={cp} x "
+            f"parallel.pipeline_parallel_size={pp} = {tp * cp * pp} does not divide the world "
+            f"size {world_size}; launch a multiple of {tp * cp * pp} GPUs or use a context "
+            f"parallel size of {_divisors(world_size // (tp * pp))}"
         )
     if heads % tp:
         raise ConfigError(
@@ -119,6 +127,25 @@ def _check_pipeline(cfg: Config) -> None:
             f" x parallel.virtual_pipeline_size={virtual} = {pp * virtual} chunks; use "
             f"num_layers={_multiples(layers, pp * virtual)} or a virtual_pipeline_size of "
             f"{_divisors(layers // pp)}"
+        )
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """Each sample splits into 2 * cp equal chunks (two per rank, for causal balance); the ring
+    has no attention dropout."""
+    cp, m = cfg.parallel.context_parallel_size, cfg.model
+    if cp == 1:
+        return
+    if m.seq_length % (2 * cp):
+        raise ConfigError(
+            f"parallel.context_parallel_size={cp} cuts model.seq_length={m.seq_length} into "
+            f"2 x {cp} = {2 * cp} equal chunks; use a seq_length of "
+            f"{_multiples(m.seq_length, 2 * cp)}"
+        )
+    if m.attention_dropout > 0:
+        raise ConfigError(
+            f"model.attention_dropout={m.attention_dropout}: ring attention "
+            f"(parallel.context_parallel_size={cp}) has no attention dropout; set it to 0"
         )
 
 
@@ -197,11 +224,13 @@ def check_config(cfg: Config) -> None:
             "parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (it splits "
             "activations over the TP group); set it to false or raise the TP size"
         )
-    if cfg.parallel.sequence_parallel and m.seq_length % tp:
+    _check_context_parallel(cfg)
+    cp = cfg.parallel.context_parallel_size
+    if cfg.parallel.sequence_parallel and m.seq_length % (tp * cp):
         raise ConfigError(
             f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
-            f"parallel.tensor_parallel_size={tp}; use a seq_length of "
-            f"{_multiples(m.seq_length, tp)}, or set sequence_parallel=false"
+            f"parallel.tensor_parallel_size={tp} (x parallel.context_parallel_size={cp}); use a "
+            f"seq_length of {_multiples(m.seq_length, tp * cp)}, or set sequence_parallel=false"
         )
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(

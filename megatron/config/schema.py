@@ -102,11 +102,14 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     """How processes split the work; the DP size is world / (tensor_parallel_size *
-    pipeline_parallel_size)."""
+    context_parallel_size * pipeline_parallel_size)."""
 
     tensor_parallel_size: int = _doc("Ranks that split each layer (adjacent ranks).", 1)
     pipeline_parallel_size: int = _doc(
         "Pipeline stages, each holding num_layers / stages consecutive layers (across nodes).", 1
+    )
+    context_parallel_size: int = _doc(
+        "Ranks that split each sample's sequence (ring attention; next to TP in the grid).", 1
     )
     virtual_pipeline_size: int | None = _doc(
         "Model chunks per stage (interleaved 1F1B); null: one chunk, plain 1F1B.", None
@@ -298,10 +301,11 @@ class Derived:
     world_size: int
     tp_size: int
     pp_size: int
-    dp_size: int  # world / (tp * pp): the grid is [dp, pp, tp], TP innermost
+    dp_size: int  # world / (tp * cp * pp): the grid is [dp, pp, cp, tp], TP innermost
     num_micro_batches: int  # micro-batches per step on each rank: gbs / (mbs * dp)
     head_dim: int  # ModelConfig.head_dim
     vocab_multiple: int  # make_vocab_size_divisible_by * tp
+    cp_size: int = 1  # parallel.context_parallel_size
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """The embedding rows for a tokenizer of ``vocab_size`` at this TP size."""
@@ -325,17 +329,18 @@ class Config:
 
     def derived(self, world_size: int) -> Derived:
         """DP size, micro-batches per step and vocab padding for ``world_size`` ranks: the one
-        place the DP size is computed (the rank grid's first axis is what tp * pp leave).
+        place the DP size is computed (the rank grid's first axis is what tp * cp * pp leave).
 
         For a config that passed ``config.checks.check_world`` (or ``validate``) at that size, or,
-        inside ``check_world``, once tp * pp is known to divide ``world_size``.
+        inside ``check_world``, once tp * cp * pp is known to divide ``world_size``.
         """
-        tp, pp = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
-        dp = world_size // (tp * pp)
+        p = self.parallel
+        tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
+        dp = world_size // (tp * cp * pp)
         t = self.training
         micro = t.global_batch_size // (t.micro_batch_size * dp)
         multiple = self.model.make_vocab_size_divisible_by * tp
-        return Derived(world_size, tp, pp, dp, micro, self.model.head_dim, multiple)
+        return Derived(world_size, tp, pp, dp, micro, self.model.head_dim, multiple, cp)
 
 
 SECTIONS: dict[str, type] = get_type_hints(Config)

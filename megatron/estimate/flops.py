@@ -6,6 +6,11 @@ and 4*s*a*d in the attention scores and their weighted sum; the LM head adds 2*h
 Backward costs twice the forward; full recomputation adds one more forward of every layer. For
 GPT-2's shape (g = a, a*d = h, ffn = 4h) this is Megatron's
 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h)) (96 and V/(16*l*h) with recomputation).
+
+The layout does not enter: TP, PP, context parallelism and DP split the same FLOPs, each token
+counted once on the rank that holds it (ring attention's hops compute the same scores a
+rank's queries would against the whole sequence; causal masking's skipped half is counted, as
+Megatron counts it).
 """
 
 from __future__ import annotations

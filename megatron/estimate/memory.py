@@ -26,7 +26,7 @@ moments: 16 bytes in fp32, 18 in bf16/fp16. The **distributed optimizer**
 parameters on each of the d DP ranks, ceil(N/d) of N (its buckets' padding to a multiple of d
 adds under d elements per bucket): (4 + 8)/d bytes per parameter, the main copy in fp32 too (a
 flat copy of the owned elements); weights and the whole fp32 gradient buffer stay on every rank,
-as in Megatron's.
+as in Megatron's. With context parallelism d is DP x CP (the CP ranks hold replicas too).
 
 **Activations** per micro-batch start from Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", eq. 2: with 16-bit activations, 1-byte dropout masks
@@ -80,6 +80,22 @@ terms, and every other chunk its output (e*s*b*h, the tensor sent on), which the
 until the backward. The logits are the last stage's, the tied embedding's ``.grad`` the first's and
 the last's. m micro-batches per step, p > 1: the bubble is (p - 1)/(m*v) of the busy time.
 
+**Context parallelism** (``parallel.context_parallel_size`` c > 1) cuts each sample's s tokens
+into 2c chunks and gives each CP rank two of them (chunks i and 2c - 1 - i, for causal balance):
+s/c tokens. Every term above that counts tokens counts those s/c (with sequence parallelism,
+s/(c*t) where it splits): the layers' activations, the layer inputs recomputation keeps, RoPE's
+cos and sin, the embedding- and head-side terms, the tensors the pipeline sends and GPT's
+logits (BERT's head runs on all b*n masked slots on every CP rank, the other ranks' as dummies).
+Ring attention saves what the fused kernel saves (q, k, v, its output and the fp32
+log-sum-exp, of the local tokens), so the per-layer count is the fused one at s/c: its output
+is laid out [b, s/c, a/t, d] in memory, so the dense layer's input is a view of it. It never
+materialises the probabilities (no unfused extra). Its transient buffers, one layer's at a
+time and counted once in the total (``ring_attention_bytes``): two K/V messages
+[2, b, g/t, s/c, d] in flight, fp32 dK/dV accumulators of that shape, fp32 query-sized buffers
+(dq and others) and ``RING_SCORE_BLOCKS`` fp32 score blocks [b, a/t, s/2c, s/2c], which grow as
+(s/c)^2 and dominate at long sequences. Weights, gradients and (but for the distributed
+optimizer's shards) optimizer state are replicated over CP.
+
 **Head tokens**: GPT's LM head sees all b*s tokens; BERT's runs on the masked ones only,
 b*n with n = masked_count(s - 3) (every token but [CLS] and two [SEP] maskable: the most a
 sample masks), so its head terms and its logits scale with b*n instead.
@@ -95,9 +111,10 @@ FLOPs come from megatron/estimate/flops.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from megatron.config.schema import Config, ModelConfig
 from megatron.data.bert_dataset import masked_count
@@ -110,6 +127,10 @@ GIB = 2**30
 RESERVED_FRACTION = 0.10
 
 ModelType = Literal["gpt", "bert"]
+# fp32 score blocks [b, a/t, s/2c, s/2c] ring attention's backward holds at its peak: it works
+# pair by pair (dropping each pair's before the next), and a pair holds its probabilities p,
+# their gradient dp, dp - delta and the scores' gradient ds.
+RING_SCORE_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -222,14 +243,16 @@ def layer_activation_bytes(
     elem_bytes: int,
     fused_attention: bool = True,
     sequence_parallel: bool = False,
+    context_parallel: int = 1,
 ) -> int:
     """Bytes one transformer layer stores for backward (see the module docstring).
 
-    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities;
-    ``sequence_parallel`` splits the LayerNorm inputs, dropout masks and statistics over the TP
-    ranks.
+    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities
+    (of this rank's queries against the whole sequence); ``sequence_parallel`` splits the
+    LayerNorm inputs, dropout masks and statistics over the TP ranks; ``context_parallel`` (c)
+    leaves each rank s/c tokens of every sample, so every term counts those.
     """
-    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    s, b, h = model.seq_length // context_parallel, micro_batch_size, model.hidden_size
     f, d = model.ffn_hidden_size, model.head_dim
     a, g = model.num_attention_heads, model.query_groups
     hidden_masks = 2 if model.hidden_dropout > 0 else 0
@@ -251,10 +274,48 @@ def layer_activation_bytes(
         split += 4 * a * s * b  # the log-sum-exp; the output is the dense input, counted above
     else:
         dropped = (1 + elem_bytes) if model.attention_dropout > 0 else 0  # mask, dropped copy
-        split += a * s * s * b * (elem_bytes + dropped)
+        split += a * s * model.seq_length * b * (elem_bytes + dropped)
     if sequence_parallel:
         sequence_split = -(-sequence_split // tp_size)
     return sequence_split + column_inputs + -(-split // tp_size)
+
+
+class RingBuffers(NamedTuple):
+    """Transient bytes of one layer's ring attention at its peak, in backward."""
+
+    kv: int  # 2 K/V messages [2, b, g/t, s/c, d], model dtype: the one in hand, the one arriving
+    dkv: int  # fp32 dK/dV accumulators of that shape: 2 at CP 2, else 4
+    working: int  # fp32 [b, a/t, s/c, d] buffers (dq, a pair's products, 16-bit q/dout copies)
+    scores: int  # RING_SCORE_BLOCKS fp32 blocks [b, a/t, s/2c, s/2c]
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.dkv + self.working + self.scores
+
+
+def ring_attention_bytes(
+    model: ModelConfig, micro_batch_size: int, tp_size: int, elem_bytes: int, context_parallel: int
+) -> RingBuffers:
+    """What one layer's ring attention (megatron/parallel/context_parallel.py) holds besides its
+    saved tensors, at its peak, the backward, at CP c > 1 (nothing at c = 1).
+
+    A message packs k and v, [2, b, g/t, s/c, d] in the model dtype; two are alive (the block
+    computed on and the one arriving). Each block's dK/dV accumulator is fp32 of that shape: the
+    rank's own, the one being filled, and from CP 3 on the one being sent and the one being
+    received. The fp32 [b, a/t, s/c, d] buffers: dq, one pair's two matmul products (one in all)
+    and, with a 16-bit dtype, q's and dout's fp32 copies; plus delta, fp32 [b, a/t, s/c]. The
+    scores: ``RING_SCORE_BLOCKS`` fp32 blocks [b, a/t, s/2c, s/2c].
+    """
+    if context_parallel == 1:
+        return RingBuffers(0, 0, 0, 0)
+    s, b, d = model.seq_length // context_parallel, micro_batch_size, model.head_dim
+    heads = model.num_attention_heads // tp_size
+    message = 2 * b * (model.query_groups // tp_size) * s * d
+    accumulators = 2 if context_parallel == 2 else 4
+    queries = 2 + 2 * (elem_bytes != 4)
+    working = 4 * b * heads * s * (queries * d + 1)
+    scores = RING_SCORE_BLOCKS * 4 * b * heads * (s // 2) ** 2
+    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, scores)
 
 
 @dataclass(frozen=True)
@@ -274,6 +335,8 @@ class MemoryEstimate:
     params: ParamCount  # the parameters of the stage, which its weights and states follow
     stage: int = 0  # the pipeline stage these bytes are for
     in_flight: int = 1  # micro-batch chunks whose activations the stage holds at its peak
+    # CP > 1: ring attention's K/V messages, dK/dV accumulators and scores, one layer's, transient
+    ring_attention: int = 0
 
     @property
     def states(self) -> int:
@@ -283,7 +346,7 @@ class MemoryEstimate:
     def total_with(self, recompute: bool) -> int:
         """Peak bytes with or without full activation recomputation."""
         activations = self.activations_recompute if recompute else self.activations_no_recompute
-        return self.states + self.embedding_grad + activations + self.logits
+        return self.states + self.embedding_grad + activations + self.logits + self.ring_attention
 
     @property
     def total(self) -> int:
@@ -300,8 +363,10 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Per-GPU memory of training ``cfg`` on ``dp_size`` DP replicas (which the distributed
     optimizer's shards and the pipeline's micro-batch count depend on), on pipeline stage
-    ``stage``; see the module docstring for every term."""
+    ``stage``, at the config's ``parallel.context_parallel_size`` (``Derived.dp_size`` already
+    leaves it out of the DP size); see the module docstring for every term."""
     m, tp, sp = cfg.model, cfg.parallel.tensor_parallel_size, cfg.parallel.sequence_parallel
+    cp = cfg.parallel.context_parallel_size
     pp, chunks = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size or 1
     first, last = stage == 0, stage == pp - 1
     e = DTYPE_BYTES[cfg.precision.dtype]
@@ -309,13 +374,13 @@ def estimate_memory(
     heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
     stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads)
     params = stage_params.per_gpu
-    # The parameters whose fp32 main copy and moments this rank holds.
-    owned = -(-params // dp_size) if cfg.parallel.distributed_optimizer else params
+    # The parameters whose fp32 main copy and moments this rank holds (sharded over DP x CP).
+    owned = -(-params // (dp_size * cp)) if cfg.parallel.distributed_optimizer else params
     b = cfg.training.micro_batch_size
-    sbh = m.seq_length * b * m.hidden_size
-    tokens = m.seq_length * b
+    tokens = m.seq_length // cp * b  # this rank's: two of each sample's 2*cp chunks
+    sbh = tokens * m.hidden_size
     head_tokens = tokens
-    if model_type == "bert":
+    if model_type == "bert":  # every CP rank's head runs on all b*n slots (others' as dummies)
         head_tokens = b * masked_count(m.seq_length - 3, cfg.bert.masked_lm_prob)
 
     def seq_split(n: int) -> int:  # what sequence parallelism splits over TP
@@ -336,8 +401,9 @@ def estimate_memory(
         head_side += 4 * e * head_tokens * m.hidden_size + stats * head_tokens
     if binary_head:
         head_side += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
-    layer = layer_activation_bytes(m, b, tp, e, sequence_parallel=sp)
-    unfused = layer_activation_bytes(m, b, tp, e, False, sp)
+    layer = layer_activation_bytes(m, b, tp, e, sequence_parallel=sp, context_parallel=cp)
+    # Ring attention (CP > 1) never materialises the probabilities.
+    unfused = layer_activation_bytes(m, b, tp, e, False, sp) if cp == 1 else layer
     layer_input = seq_split(e * sbh)  # what full recomputation keeps
     chunk_layers = m.num_layers // (pp * chunks)
     # RoPE's cos and sin, made once per chunk's forward for its layers
@@ -373,6 +439,7 @@ def estimate_memory(
         params=stage_params,
         stage=stage,
         in_flight=peak_held(units, [1] * chunks),
+        ring_attention=ring_attention_bytes(m, b, tp, e, cp).total,
     )
 
 
@@ -389,6 +456,55 @@ def worst_stage(
 ) -> MemoryEstimate:
     """The stage that needs the most memory as configured (the first, with 1F1B and p > 1)."""
     return max(estimate_stages(cfg, padded_vocab_size, model_type, dp_size), key=lambda e: e.total)
+
+
+def seq_granularity(cfg: Config) -> int:
+    """What ``model.seq_length`` must be a multiple of at this layout (as the config checks
+    require): 2*CP (each sample cut into 2*cp chunks), and with sequence parallelism CP*TP (each
+    rank's s/cp tokens split over TP)."""
+    p = cfg.parallel
+    cp = p.context_parallel_size
+    chunks = 2 * cp if cp > 1 else 1
+    return math.lcm(chunks, cp * p.tensor_parallel_size) if p.sequence_parallel else chunks
+
+
+def with_seq_length(cfg: Config, seq_length: int) -> Config:
+    """``cfg`` at ``seq_length``, its position table raised to it where shorter (RoPE has no
+    parameters there; learned positions then count their longer table)."""
+    positions = max(cfg.model.max_position_embeddings, seq_length)
+    model = replace(cfg.model, seq_length=seq_length, max_position_embeddings=positions)
+    return replace(cfg, model=model)
+
+
+def longest_seq_length(
+    cfg: Config,
+    padded_vocab_size: int,
+    model_type: ModelType,
+    dp_size: int,
+    gpu_memory_gb: float,
+    limit: int = 2**30,
+) -> int:
+    """The longest ``model.seq_length`` (a multiple of ``seq_granularity``, at most ``limit``)
+    whose worst stage fits a ``gpu_memory_gb`` GPU at this layout, all else as configured; 0
+    when none does. Memory grows with the length, so a doubling and a bisection find it."""
+    step = seq_granularity(cfg)
+
+    def fit(n: int) -> bool:  # n multiples of the granularity
+        changed = with_seq_length(cfg, n * step)
+        return fits(
+            worst_stage(changed, padded_vocab_size, model_type, dp_size).total, gpu_memory_gb
+        )
+
+    if not fit(1):
+        return 0
+    low, high = 1, 2  # fit(low), and high is the first doubling past it that does not fit
+    while high * step <= limit and fit(high):
+        low, high = high, 2 * high
+    high = min(high, limit // step + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fit(mid) else (low, mid)
+    return low * step
 
 
 def usable_bytes(gpu_memory_gb: float) -> int:

@@ -7,10 +7,10 @@ result, or sampling evenly spaced blocks when the data is huge and not yet cache
 also that each split holds the samples the run draws from it) and the paths it writes; then
 reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate/memory.py), the
 FLOPs per iteration, a checkpoint's size (warning when checkpoint.save lacks room for two), and
-whether the run fits in ``--gpu-memory-gb``. A file that does not exist here (the data may live on
-the cluster only) is named and skipped, and the written paths are then not checked either; a file
-that exists but is wrong is an error. Exit code: 0 when it fits or no GPU size was given, 1 when
-it does not fit.
+whether the run fits in ``--gpu-memory-gb`` (and the longest ``model.seq_length`` that would at
+this layout). A file that does not exist here (the data may live on the cluster only) is named
+and skipped, and the written paths are then not checked either; a file that exists but is wrong
+is an error. Exit code: 0 when it fits or no GPU size was given, 1 when it does not fit.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
@@ -34,11 +35,15 @@ from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
     RESERVED_FRACTION,
+    RING_SCORE_BLOCKS,
     MemoryEstimate,
     ModelType,
     count_parameters,
     estimate_stages,
     fits,
+    longest_seq_length,
+    ring_attention_bytes,
+    seq_granularity,
     usable_bytes,
     worst_stage,
 )
@@ -154,7 +159,7 @@ def _report_memory(
 ) -> MemoryEstimate:
     """Write the parameter and memory lines (of the worst pipeline stage); return its estimate."""
     m, tp, b = cfg.model, cfg.parallel.tensor_parallel_size, cfg.training.micro_batch_size
-    pp = cfg.parallel.pipeline_parallel_size
+    pp, cp = cfg.parallel.pipeline_parallel_size, cfg.parallel.context_parallel_size
     heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
     stages = estimate_stages(cfg, padded_vocab, model_type, dp_size)
     mem = max(stages, key=lambda stage: stage.total)
@@ -162,8 +167,9 @@ def _report_memory(
         _report_stages(cfg, stages, mem.stage, out)
     dtype, e = cfg.precision.dtype, DTYPE_BYTES[cfg.precision.dtype]
     configured = {True: "   <- model.recompute=full", False: "   <- model.recompute=none"}
+    shards = f"DP {dp_size}" if cp == 1 else f"DPxCP {dp_size * cp}"
     if cfg.parallel.distributed_optimizer:
-        main, moments = f"4 B/param / DP {dp_size}", f"8 B/param / DP {dp_size}"
+        main, moments = f"4 B/param / {shards}", f"8 B/param / {shards}"
     else:
         main, moments = "4 B/param; none in fp32", "8 B/param"
     sp = " (seq-parallel)" if cfg.parallel.sequence_parallel else ""
@@ -173,18 +179,20 @@ def _report_memory(
         (f"fp32 main params ({main})", mem.main_params, ""),
         (f"Adam moments (2 x fp32, {moments})", mem.adam_moments, ""),
         (f"word embedding .grad ({dtype}, in backward)", mem.embedding_grad, ""),
-        ("logits + loss buffers, (e+4)*b*s*V/t", mem.logits, ""),
+        (f"logits + loss buffers, (e+4)*b*s*V/{'t' if cp == 1 else '(t*cp)'}", mem.logits, ""),
         (f"activations, no recomputation{sp}", mem.activations_no_recompute, ""),
         (f"activations, full recomputation{sp}", mem.activations_recompute, ""),
+        *([("ring attention buffers (one layer, transient)", mem.ring_attention, "")] * (cp > 1)),
         ("total, no recomputation", mem.total_with(False), configured[False] * (not mem.recompute)),
         ("total, full recomputation", mem.total_with(True), configured[True] * mem.recompute),
     ]
     total = count_parameters(m, padded_vocab, tp, *heads).total
     where = f"on stage {mem.stage} (the worst) " if pp > 1 else ""
+    local = f" ({m.seq_length // cp} tokens on each of CP {cp} ranks)" if cp > 1 else ""
     out.write(
         f"parameters: {total:,} total; {mem.params.per_gpu:,} per GPU {where}at TP {tp} "
         f"({mem.params.split:,} split {tp} ways, {mem.params.replicated:,} replicated)\n"
-        f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}, e = {e} bytes per "
+        f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}{local}, e = {e} bytes per "
         "element:\n"
     )
     for label, n, note in rows:
@@ -196,10 +204,28 @@ def _report_memory(
         "    megatron/estimate/memory.py): Korthikanti et al. 2022 (s*b*h*(10 + 24/t +\n"
         "    5*a*s/(h*t)) for e = 2, f = 4h) with fused attention: s*b*h*(4e + 2 masks) + 16*s*b\n"
         "    + [s*b*(4h + 2f)*e + 4*a*s*b] / t; full recomputation keeps L layer inputs\n"
-        "    (e*s*b*h each) plus one layer's working set. Unfused attention (probabilities\n"
-        f"    materialised, the 5*a*s/(h*t) term) would add {held_layers * extra / GIB:.2f} GiB\n"
-        f"    without recomputation, {extra / GIB:.2f} GiB with it.\n"
+        "    (e*s*b*h each) plus one layer's working set."
     )
+    if cp == 1:
+        held = held_layers * extra / GIB
+        out.write(
+            " Unfused attention (probabilities\n"
+            f"    materialised, the 5*a*s/(h*t) term) would add {held:.2f} GiB\n"
+            f"    without recomputation, {extra / GIB:.2f} GiB with it.\n"
+        )
+    else:
+        ring = ring_attention_bytes(m, b, tp, e, cp)
+        out.write(
+            f"\n  context parallelism: each of the CP {cp} ranks holds 2 of a sample's {2 * cp}"
+            f" chunks,\n    s/cp = {m.seq_length // cp} tokens; every activation above and the"
+            " logits count those.\n    Ring attention saves what fused attention saves (its"
+            " output [b, a/t, s/cp, d] is\n    copied for the dense layer: + e*a*d/t per token)."
+            " Its buffers, one layer at a\n    time, in backward: K/V messages"
+            f" [2, b, g/t, s/cp, d] {ring.kv / GIB:.2f} GiB, fp32 dK/dV\n    accumulators"
+            f" {ring.dkv / GIB:.2f} GiB, fp32 dq and copies {ring.working / GIB:.2f} GiB, fp32"
+            f" scores\n    [b, a/t, s/2cp, s/2cp] x {RING_SCORE_BLOCKS}"
+            f" {ring.scores / GIB:.2f} GiB; the totals count them once.\n"
+        )
     if pp > 1:
         out.write(
             f"  pipeline: this stage holds {mem.in_flight} micro-batch chunk(s) in flight (1F1B:\n"
@@ -249,12 +275,13 @@ def dry_run(
 ) -> int:
     """Validate, check the files, report memory and FLOPs; 0 if it fits (or no size), else 1.
 
-    ``args`` carries ``world_size`` (default: one replica, TP x PP GPUs) and ``gpu_memory_gb``
+    ``args`` carries ``world_size`` (default: one replica, TP x CP x PP GPUs) and ``gpu_memory_gb``
     (GiB, as vendors' "32 GB" means). Config and file errors raise ConfigError.
     """
     out = out or sys.stdout
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
-    world = args.world_size or tp * pp
+    cp = cfg.parallel.context_parallel_size
+    world = args.world_size or tp * cp * pp
     validate(cfg, world, check_files=False)
     missing = missing_files(cfg)
     warnings = [] if missing else validate(cfg, world, check_files=True)
@@ -262,13 +289,14 @@ def dry_run(
     derived = cfg.derived(world)
     pp, chunks = derived.pp_size, cfg.parallel.virtual_pipeline_size or 1
     pipeline = f" x PP {pp}" if pp > 1 else ""
+    pipeline += f" x CP {cp}" if cp > 1 else ""
     out.write(
         f"dry run ({model_type}): world {world} = DP {derived.dp_size}{pipeline} x TP {tp}; "
         f"{derived.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step "
         f"on each rank; config valid\n"
     )
     if not args.world_size:
-        out.write(f"  (no --world-size: checked for one replica of {tp * pp} GPU(s))\n")
+        out.write(f"  (no --world-size: checked for one replica of {tp * cp * pp} GPU(s))\n")
     if pp > 1:
         schedule = f"interleaved 1F1B, {chunks} chunks per stage" if chunks > 1 else "1F1B"
         bubble = ideal_bubble(pp, chunks, derived.num_micro_batches)
@@ -316,9 +344,41 @@ def dry_run(
         f"{usable_bytes(gb) / GIB:.2f} GiB usable: {RESERVED_FRACTION:.0%} of the GPU is kept for "
         "the CUDA context, NCCL buffers and fragmentation; GB here is 2^30 bytes)\n"
     )
+    out.write(f"{_longest(cfg, padded, model_type, derived.dp_size, gb)}\n")
     if not ok:
         out.write(f"  hint: {_hint(cfg, padded, model_type, derived.dp_size, gb)}\n")
     return 0 if ok else 1
+
+
+def dry_run_to_stdout(cfg: Config, args: argparse.Namespace, model_type: ModelType) -> int:
+    """``dry_run`` onto stdout, as every entrypoint's ``--dry-run`` runs it; its exit code, or
+    141 without a traceback when the reader stops early (``--dry-run | head -3``)."""
+    try:
+        code = dry_run(cfg, args, model_type)
+        sys.stdout.flush()  # a reader gone by the last lines fails this, not Python's exit
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: onto /dev/null, where that cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # 128 + SIGPIPE, the status of `cat`, `grep` or `seq` cut off by `head` (CPython's own
+        # json.tool exits nonzero too): never 0 or 1, the fits/does not fit of a report unread.
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def _longest(cfg: Config, padded_vocab: int, model_type: ModelType, dp_size: int, gb: float) -> str:
+    """The line naming the longest model.seq_length that fits ``gb`` at this layout."""
+    p = cfg.parallel
+    step, cp = seq_granularity(cfg), p.context_parallel_size
+    factors = (["2 x CP"] if cp > 1 else []) + (["CP x TP"] if p.sequence_parallel else [])
+    multiple = f"a multiple of {' and '.join(factors)}: {step}; " if step > 1 else ""
+    longest = longest_seq_length(cfg, padded_vocab, model_type, dp_size, gb)
+    head = f"longest model.seq_length that fits in {gb:g} GB at this layout:"
+    if not longest:
+        return f"{head} none ({multiple}not even {step} token(s) fit)"
+    positions = ""
+    if longest > cfg.model.max_position_embeddings:
+        positions = "; model.max_position_embeddings must be raised with it"
+    return f"{head} {longest:,} ({multiple}all else as configured{positions})"
 
 
 def _hint(cfg: Config, padded_vocab: int, model_type: ModelType, dp_size: int, gb: float) -> str:
@@ -341,6 +401,21 @@ def _hint(cfg: Config, padded_vocab: int, model_type: ModelType, dp_size: int, g
         changed = replace(cfg, **change)
         if applies and fits(worst_stage(changed, padded_vocab, model_type, dp_size).total, gb):
             return f"{name} fits"
+    # Context parallelism divides the activations: the smallest larger CP size this world and
+    # config allow (the DP size it leaves shards the optimizer and counts the micro-batches).
+    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+    cp, world = p.context_parallel_size, dp_size * p.context_parallel_size * model_parallel
+    for larger in range(cp + 1, world // model_parallel + 1):
+        if world % (larger * model_parallel):
+            continue
+        changed = replace(cfg, parallel=replace(p, context_parallel_size=larger))
+        try:
+            validate(changed, world, check_files=False)
+        except ConfigError:
+            continue
+        dp = changed.derived(world).dp_size
+        if fits(worst_stage(changed, padded_vocab, model_type, dp).total, gb):
+            return f"parallel.context_parallel_size={larger} fits (DP {dp})"
     return (
         "raise parallel.tensor_parallel_size or parallel.pipeline_parallel_size (weights and "
         "optimizer state divide by them) or lower training.micro_batch_size (activations scale "

@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.models.document_mask import RingMask
 from megatron.models.embedding import Embedding
 from megatron.models.transformer import TransformerStack, gelu, norm_layer
 from megatron.parallel import sequence_parallel as sp
+from megatron.parallel.context_parallel import held_positions
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.layers import normal_init
 from megatron.parallel.mappings import copy_to_tp, gather_seq
@@ -105,6 +107,7 @@ class BertModel(nn.Module):
             raise ValueError(f"binary_head={binary_head!r}; use one of {', '.join(BINARY_HEADS)}")
         h, device = cfg.hidden_size, state.device
         self.vocab_size, self.tp_group = vocab_size, state.tp_group
+        self.cp_rank, self.cp_size = state.cp_rank, state.cp_size
         self.binary_task = binary_head
         self.dropout = cfg.hidden_dropout
         self.seq_group = sp.sequence_group(state, sequence_parallel)
@@ -136,6 +139,20 @@ class BertModel(nn.Module):
             self.pooler = _linear(cfg, h, h, tracker.init_generator(POOLER), device)
             self.binary_head = _linear(cfg, h, 2, tracker.init_generator(BINARY_HEAD), device)
 
+    def _mask(self, padding_mask: Tensor, dtype: torch.dtype) -> Tensor | RingMask:
+        """Every query attends to every real (non-padding) key: bidirectional, no causal mask.
+
+        Additive (0 / -inf) in the activations' dtype, made once: given a bool mask, every
+        layer's attention would convert it again and keep its own copy for backward. Around a
+        ring, padding is a document of its own: real queries then see exactly the real keys, as
+        here (a padding query sees only padding, but no loss reads a padding position).
+        """
+        padding = padding_mask == 0  # [b, s]
+        if self.cp_size > 1:
+            return RingMask(causal=False, document_ids=padding.long())
+        attend = torch.zeros(padding[:, None, None, :].shape, dtype=dtype, device=padding.device)
+        return attend.masked_fill_(padding[:, None, None, :], float("-inf"))  # [b, 1, 1, s]
+
     def forward(
         self,
         tokens: Tensor,
@@ -150,6 +167,10 @@ class BertModel(nn.Module):
         ``masked_positions``: [b, p], each sample's masked positions padded to a fixed ``p``
         with positions whose label is -1 (the datasets pad with 0, the [CLS]).
 
+        With context parallelism ``tokens``, ``types`` and ``labels`` are this rank's two chunks
+        of each sequence, ``padding_mask`` the whole samples', and ``masked_positions`` index
+        the rank's own positions, -1 where another rank holds one (``context_batch``).
+
         Returns ``(lm, binary)``. Without ``labels``, ``lm`` is this rank's vocab-parallel logits
         [b, s, padded_vocab / tp] at every position. With ``labels``, it is the per-token fp32
         loss [b, s]: only the ``masked_positions`` (every position when None) go through the LM
@@ -161,19 +182,17 @@ class BertModel(nn.Module):
         previous stage's output) unless it is the first stage's first chunk, and returns
         ``(activation, None)`` unless it is the last stage's last chunk.
         """
-        padding = padding_mask[:, None, None, :] == 0  # [b, 1, 1, s]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        if self.cp_size > 1:  # the global positions this rank holds
+            positions = held_positions(padding_mask.shape[1], self.cp_rank, self.cp_size)[None]
+            positions = positions.to(tokens.device)
         if self.pre_process and chunk == 0:
-            hidden = self.embedding(tokens, None, types)  # [b, s, h], or [b, s / tp, h] split
+            hidden = self.embedding(tokens, positions, types)  # [b, s, h], or [b, s / tp, h]
             if self.embedding_ln is not None:
                 hidden = self.embedding_ln(hidden)
                 hidden = sp.dropout(hidden, self.dropout, self.training, self.seq_group)
-        # Every query attends to every real (non-padding) key: bidirectional, no causal mask.
-        # Additive (0 / -inf) in the activations' dtype, made once: given a bool mask, every
-        # layer's attention would convert it again and keep its own copy for backward.
-        attend = torch.zeros(padding.shape, dtype=hidden.dtype, device=hidden.device)
-        attend = attend.masked_fill_(padding, float("-inf"))
-        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]  # RoPE's
-        x = self.transformer(hidden, attend, chunk=chunk, position_ids=positions)
+        mask = self._mask(padding_mask, hidden.dtype)
+        x = self.transformer(hidden, mask, chunk=chunk, position_ids=positions)
         if not (self.post_process and chunk == self.num_chunks - 1):
             return x, None  # to the next pipeline stage
         # The heads' consumers are replicated (the LM head's f sums its input gradient), so the
@@ -194,12 +213,13 @@ class BertModel(nn.Module):
         # ~15% of positions are masked; the head and the loss (most of BERT's step at small
         # widths) run on at most p of them per sample. A fixed p, where picking the masked
         # positions out of the labels (nonzero) would make the host wait for the device.
-        rows = masked_positions + s * torch.arange(b, device=x.device)[:, None]  # [b, p]
+        here = masked_positions >= 0  # another CP rank's position: -1
+        rows = masked_positions.clamp(min=0) + s * torch.arange(b, device=x.device)[:, None]
         rows = rows.reshape(-1)  # [b * p], into the flattened [b * s]
         selected = x.reshape(b * s, h).index_select(0, rows)  # [b * p, h]
         logits = self.lm_head(selected, word)  # [b * p, V / tp]
         targets = labels.reshape(-1).index_select(0, rows)  # [b * p], -1 on padding
-        masked = targets >= 0
+        masked = (targets >= 0) & here.reshape(-1)
         # The logits are this call's own temporary, so the loss may overwrite them.
         losses = vocab_parallel_cross_entropy(
             logits, targets.clamp(min=0), self.vocab_size, self.tp_group, inplace=True

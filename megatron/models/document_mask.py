@@ -11,11 +11,16 @@ them into one mask per forward pass on the device, shared by every layer:
   ``scaled_dot_product_attention``, made once rather than converted from bool in every layer.
 
 Both say exactly ``key <= query and doc[key] == doc[query]``, Megatron's reset attention mask.
+
+With context parallelism a rank holds two chunks of each sequence and attends over every rank's
+keys in turn: the model passes a ``RingMask`` (causal or not, and the whole samples' document
+ids), which ring attention applies block by block (``megatron.parallel.context_parallel``).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,15 @@ try:  # torch >= 2.5; older builds keep the dense mask everywhere
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - depends on the installed torch
     BlockMask = create_block_mask = flex_attention = None
+
+
+@dataclass(frozen=True)
+class RingMask:
+    """What ring attention masks: later keys when ``causal``, and keys of other documents when
+    ``document_ids`` (int [b, s] over the whole sequence, not this rank's share) are given."""
+
+    causal: bool
+    document_ids: Tensor | None = None
 
 
 def uses_flex(device: torch.device, dropout: float) -> bool:

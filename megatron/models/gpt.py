@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatron.models.document_mask import document_mask, uses_flex
+from megatron.models.document_mask import RingMask, document_mask, uses_flex
 from megatron.models.embedding import Embedding
 from megatron.models.kv_cache import KVCache
 from megatron.models.transformer import TransformerStack
@@ -36,6 +36,10 @@ class GPTModel(nn.Module):
     LM head and the loss, with its own copy of the word table for the tied head (see
     ``Embedding``) or the untied ``output_layer``; its layers keep their global names
     (``transformer.layers.<i>``). A stage builds and draws only what it holds.
+
+    With context parallelism (``state.cp_size > 1``) ``tokens``, ``position_ids`` and
+    ``labels`` are this rank's two chunks of each sequence (``megatron.parallel.context_batch``)
+    and ``document_ids`` the whole samples'; attention runs around the ring.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class GPTModel(nn.Module):
     ):
         super().__init__()
         self.vocab_size, self.tp_group = vocab_size, state.tp_group
+        self.context_parallel = state.cp_size > 1
         self.sequence_parallel = sequence_parallel and state.tp_size > 1
         self.attention_dropout = cfg.attention_dropout  # flex attention has none
         self.max_positions = cfg.max_position_embeddings  # the longest sequence it takes
@@ -96,7 +101,11 @@ class GPTModel(nn.Module):
         if self.pre_process and chunk == 0:
             hidden = self.embedding(tokens, position_ids)  # [b, s, h]
         mask = None  # plain causal attention
-        if document_ids is not None:
+        if self.context_parallel:
+            if kv_cache is not None:
+                raise ValueError("decoding runs at context_parallel_size 1")
+            mask = RingMask(causal=True, document_ids=document_ids)
+        elif document_ids is not None:
             if kv_cache is not None:
                 raise ValueError("document_ids and a KV cache together are not supported")
             dropout = self.attention_dropout if self.training else 0.0

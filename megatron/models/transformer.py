@@ -21,10 +21,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from megatron.models.document_mask import BlockMask, attention
+from megatron.models.document_mask import BlockMask, RingMask, attention
 from megatron.models.kv_cache import KVCache
 from megatron.models.rope import RotaryEmbedding, apply_rotary
 from megatron.parallel import sequence_parallel as sp
+from megatron.parallel.context_parallel import Ring, ring_attention
 from megatron.parallel.layers import (
     ColumnParallelLinear,
     InitMethod,
@@ -88,6 +89,9 @@ class ParallelAttention(nn.Module):
         self.q_per_group, self.head_dim = heads // groups, d
         self.dropout = cfg.attention_dropout
         self.tracker = tracker
+        self.ring = None  # context parallelism: the CP ranks that hold the other chunks
+        if state.cp_size > 1:
+            self.ring = Ring(state.cp_group, state.cp_ranks, state.cp_rank)
         init, out_init = init_methods(cfg, generator)
         qkv_bias, bias = cfg.add_bias_linear or cfg.add_qkv_bias, cfg.add_bias_linear
         self.qkv = ColumnParallelLinear(
@@ -105,13 +109,14 @@ class ParallelAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        attn_mask: Tensor | BlockMask | None,
+        attn_mask: Tensor | BlockMask | RingMask | None,
         rotary: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
-        """``attn_mask``: None (causal), an SDPA mask, or a document BlockMask (see
-        ``document_mask``). ``rotary``: RoPE's (cos, sin) of these positions. ``kv_cache``:
-        attend over the cached positions too, and cache these (decoding)."""
+        """``attn_mask``: None (causal), an SDPA mask, a document BlockMask (see
+        ``document_mask``), or with context parallelism a RingMask. ``rotary``: RoPE's (cos,
+        sin) of these positions. ``kv_cache``: attend over the cached positions too, and cache
+        these (decoding)."""
         qkv = self.qkv(x)  # [b, s, (heads + 2 groups) * head_dim / tp]: the whole sequence
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.groups_per_partition, self.q_per_group + 2, self.head_dim)
@@ -137,7 +142,9 @@ class ParallelAttention(nn.Module):
             causal = attn_mask is None and kv_cache.length == 0
             k, v = kv_cache.append(self.kv_slot, k, v)  # [b, groups_pp, cached + s, head_dim]
         dropout = self.dropout if self.training else 0.0
-        if dropout == 0.0:
+        if isinstance(attn_mask, RingMask):  # the config checks refuse dropout with CP
+            ctx = ring_attention(q, k, v, self.ring, attn_mask.causal, attn_mask.document_ids)
+        elif dropout == 0.0:
             # Nothing is drawn, so the RNG fork is skipped: it swaps generator states, which
             # torch.compile cannot trace (a graph break mid-layer).
             ctx = attention(q, k, v, attn_mask, dropout, causal)
@@ -223,7 +230,7 @@ class TransformerLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        attn_mask: Tensor | BlockMask | None,
+        attn_mask: Tensor | BlockMask | RingMask | None,
         rotary: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
@@ -302,7 +309,7 @@ class TransformerStack(nn.Module):
     def forward(
         self,
         x: Tensor,
-        attn_mask: Tensor | BlockMask | None = None,
+        attn_mask: Tensor | BlockMask | RingMask | None = None,
         kv_cache: KVCache | None = None,
         chunk: int = 0,
         position_ids: Tensor | None = None,

@@ -98,7 +98,7 @@ class DistributedOptimizer(MainParamOptimizer):
         self.pieces, owned = _shard_pieces(ddp, self.model_params)
         if not self.pieces:
             raise ValueError(
-                f"DP rank {state.dp_rank} owns only bucket padding: the model is too small to "
+                f"replica {state.replica_rank} owns only bucket padding: the model is too small to "
                 f"shard over {ddp.dp_size} ranks"
             )
         device, size = ddp.buffer.device, sum(length for _, length in owned)

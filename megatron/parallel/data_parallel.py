@@ -95,8 +95,10 @@ class DataParallel:
     ):
         if overlap_param_gather and not shard_optimizer:
             raise ValueError("overlap_param_gather needs shard_optimizer (sharded parameters)")
-        self.module, self.group, self.dp_size = module, state.dp_group, state.dp_size
-        self.dp_rank, self.shard_optimizer = state.dp_rank, shard_optimizer
+        # Over DP x CP: the CP ranks of a replica hold the same weights too (each backpropagated
+        # its share of the samples' tokens, scaled by CP so that this average is their sum).
+        self.module, self.group, self.dp_size = module, state.grad_group, state.replica_size
+        self.dp_rank, self.shard_optimizer = state.replica_rank, shard_optimizer
         # parameters() yields a tied parameter once, so it gets one main_grad and one hook.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         if not params:

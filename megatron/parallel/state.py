@@ -1,20 +1,26 @@
-"""Process-group setup: one rank grid, sliced into tensor-, pipeline- and data-parallel groups.
+"""Process-group setup: one rank grid, sliced into tensor-, context-, pipeline- and data-parallel
+groups.
 
-The grid is ``arange(world).view(dp, pp, tp)``: TP innermost (adjacent ranks, so a TP group stays
-inside a node where NVLink is), pipeline stages next, DP outermost. For 8 ranks at tp=2, pp=2:
+The grid is ``arange(world).view(dp, pp, cp, tp)``: TP innermost (adjacent ranks, so a TP group
+stays inside a node where NVLink is), context parallelism next (its ring of K/V blocks stays in a
+node or spans adjacent ones), pipeline stages next, DP outermost. For 8 ranks at tp=2, pp=2:
 
     grid[dp=0] = [[0 1]    stage 0        grid[dp=1] = [[4 5]    stage 0
                   [2 3]]   stage 1                      [6 7]]   stage 1
 
-    TP groups (same dp, pp):         [0 1] [2 3] [4 5] [6 7]
-    PP groups (same dp, tp):         [0 2] [1 3] [4 6] [5 7]
-    DP groups (same pp, tp):         [0 4] [1 5] [2 6] [3 7]
-    model-parallel (same dp):        [0 1 2 3] [4 5 6 7]     (the gradient norm's sum)
+    TP groups (same dp, pp, cp):     [0 1] [2 3] [4 5] [6 7]
+    PP groups (same dp, cp, tp):     [0 2] [1 3] [4 6] [5 7]
+    DP groups (same pp, cp, tp):     [0 4] [1 5] [2 6] [3 7]
+    model-parallel (same dp, cp):    [0 1 2 3] [4 5 6 7]     (the gradient norm's sum)
     embedding (first + last stage):  [0 2] [1 3] [4 6] [5 7] (tied word-embedding gradients)
 
-A rank's place in the grid is its (DP index, stage, TP rank). Which ranks hold copies of the same
-values (the replicas a loss is averaged over, the one rank of a replica that reports its metrics)
-is this module's to say. Peer liveness (the heartbeat) is ``megatron.launch.heartbeat``'s.
+With cp=2 at tp=2 (and pp=1), ranks [0 1 2 3] are one DP replica: CP groups [0 2] [1 3] each
+split every sample's sequence; the weights are replicas over DP x CP (groups [0 2 4 6] [1 3 5 7]
+at dp=2), which the gradients are reduced over and the distributed optimizer shards over.
+
+A rank's place in the grid is its (DP index, stage, CP rank, TP rank). Which ranks hold copies of
+the same values (the replicas a loss is averaged over, the one rank of a replica that reports its
+metrics) is this module's to say. Peer liveness (the heartbeat) is ``megatron.launch.heartbeat``'s.
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None = None
     # The whole world over gloo, for host values (the memory figures): no device in the way.
     host_group: dist.ProcessGroup | None = None
+    cp_size: int = 1
+    cp_rank: int = 0  # this process's place in its ring (``megatron.parallel.context_parallel``)
+    cp_group: dist.ProcessGroup | None = None
+    cp_ranks: tuple[int, ...] = (0,)  # global ranks of this ring, in ring order
+    # DP x CP: the ranks holding the same weights (same stage and TP rank), over which gradients
+    # are reduced and the distributed optimizer shards. Without CP, the DP group.
+    replica_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -72,6 +85,21 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def replica_size(self) -> int:
+        """The ranks over which the weights are copies: DP x CP."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place among ``replica_size``: DP index major, CP rank minor."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        """The group gradients are reduced over (DP x CP)."""
+        return self.dp_group if self.cp_size == 1 else self.replica_group
+
+    @property
     def replicas(self) -> int:
         """The model replicas that train on different data (the DP ranks): the step's losses,
         metrics and gradients are averaged over them."""
@@ -81,7 +109,7 @@ class ParallelState:
     def reports_metrics(self) -> bool:
         """True on the one rank of each replica whose loss and metrics count in their sum over
         the world: TP rank 0 (the TP ranks hold the same values) of the last stage (the one that
-        computes the loss)."""
+        computes the loss). Every CP rank reports: each holds its share of the sample's loss."""
         return self.tp_rank == 0 and self.is_last_stage
 
     @property
@@ -110,16 +138,19 @@ class ParallelState:
     def writes_checkpoint_shard(self) -> bool:
         """Whether this rank writes its (TP, PP) rank's checkpoint shard.
 
-        The shards are identical over DP, so the shard of TP rank t in stage p is written by DP
-        rank ``(p * tp + t) % dp``: with several DP replicas (nodes) the writing spreads over
-        them instead of one node pushing everything (rank 0 always writes shard (0, 0)).
+        The shards are identical over DP x CP, so the shard of TP rank t in stage p is written by
+        replica ``(p * tp + t) % (dp * cp)``: with several replicas (nodes) the writing spreads
+        over them instead of one node pushing everything (rank 0 always writes shard (0, 0)).
         """
-        return (self.pp_rank * self.tp_size + self.tp_rank) % self.dp_size == self.dp_rank
+        owner = (self.pp_rank * self.tp_size + self.tp_rank) % self.replica_size
+        return owner == self.replica_rank
 
 
-def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) -> ParallelState:
-    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/PP/DP groups, for a
-    world that tp * pp divide (the callers' config checks tell a user who asks for another).
+def initialize(
+    tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1, cp_size: int = 1
+) -> ParallelState:
+    """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/CP/PP/DP groups, for a
+    world that tp * cp * pp divide (the callers' config checks tell a user who asks for another).
 
     With no launcher this makes a world of one over an in-memory store, so the same code path
     (collectives on size-1 groups, barriers) runs everywhere.
@@ -127,7 +158,7 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) ->
     env = launcher_env()
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
-    grid = torch.arange(world_size).view(-1, pp_size, tp_size)  # [dp, pp, tp]
+    grid = torch.arange(world_size).view(-1, pp_size, cp_size, tp_size)  # [dp, pp, cp, tp]
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -156,26 +187,30 @@ def initialize(tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1) ->
 def build_state(
     grid: torch.Tensor, rank: int, local_rank: int, device: torch.device, timeout: timedelta
 ) -> ParallelState:
-    """Create every group from the ``[dp, pp, tp]`` grid; each rank must create all of them, in
-    the same order (torch requires it of ``new_group``)."""
-    dp_size, pp_size, tp_size = grid.shape
+    """Create every group from the ``[dp, pp, cp, tp]`` grid; each rank must create all of them,
+    in the same order (torch requires it of ``new_group``)."""
+    dp_size, pp_size, cp_size, tp_size = grid.shape
     mine: dict[str, dist.ProcessGroup | None] = {}
     ranks: dict[str, list[int]] = {}
     slicings = {
-        "tp": grid.reshape(-1, tp_size),  # rows: same (dp, pp)
-        "pp": grid.permute(0, 2, 1).reshape(-1, pp_size),  # same (dp, tp)
-        "dp": grid.permute(1, 2, 0).reshape(-1, dp_size),  # same (pp, tp)
-        "mp": grid.reshape(dp_size, -1),  # same dp
+        "tp": grid.reshape(-1, tp_size),  # rows: same (dp, pp, cp)
+        "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp_size),  # same (dp, cp, tp)
+        "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp_size),  # same (pp, cp, tp)
+        "mp": grid.permute(0, 2, 1, 3).reshape(dp_size * cp_size, -1),  # same (dp, cp)
     }
+    if cp_size > 1:
+        slicings["cp"] = grid.permute(0, 1, 3, 2).reshape(-1, cp_size)  # same (dp, pp, tp)
+        # same (pp, tp), DP major and CP minor: a rank's place is its replica_rank
+        slicings["replica"] = grid.permute(1, 3, 0, 2).reshape(-1, dp_size * cp_size)
     if pp_size > 1:
-        slicings["embedding"] = grid[:, [0, -1], :].permute(0, 2, 1).reshape(-1, 2)
+        slicings["embedding"] = grid[:, [0, -1]].permute(0, 2, 3, 1).reshape(-1, 2)
     for name, members in slicings.items():
         for row in members.tolist():
             group = dist.new_group(row, timeout=timeout)
             if rank in row:
                 mine[name], ranks[name] = group, row
     host_group = dist.new_group(timeout=timeout, backend="gloo")
-    dp_rank, pp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()  # this rank's place
+    dp_rank, pp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()  # this rank's place
     return ParallelState(
         rank=rank,
         world_size=grid.numel(),
@@ -194,6 +229,11 @@ def build_state(
         mp_group=mine["mp"],
         embedding_group=mine.get("embedding"),
         host_group=host_group,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_group=mine.get("cp"),
+        cp_ranks=tuple(ranks.get("cp", [rank])),
+        replica_group=mine.get("replica"),
     )
 
 

@@ -27,6 +27,7 @@ from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
 from megatron.optim.optimizer import StepResult
+from megatron.parallel.context_batch import split_batch
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
 from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
@@ -68,6 +69,17 @@ class TrainLoop:
         t = self.cfg.training
         return iteration % self.cfg.logging.log_interval == 0 or iteration == t.train_iters
 
+    def _for_backward(self, loss: Tensor) -> Tensor:
+        """A micro-batch's loss as backward takes it: divided by the micro-batches (their mean)
+        and times CP (exact at 1), since the gradient sync averages over DP x CP where the CP
+        ranks' shares of a sample must add up; loss-scaled with fp16."""
+        return self.train.optimizer.scale_loss(loss * self.state.cp_size / self.num_micro)
+
+    def _next_batch(self, data: Iterator[Batch]) -> Batch:
+        """The next micro-batch on the device: this rank's share of it (``split_batch``)."""
+        batch = to_device(next(data), self.state.device)
+        return split_batch(batch, self.state, self.cfg.model.type)
+
     def train_step(
         self, data: Iterator[Batch], policy: ExitPolicy
     ) -> tuple[StepResult, dict[str, float], dict[str, float], list[float]]:
@@ -84,12 +96,12 @@ class TrainLoop:
             step.add(self._pipeline_step(data), self.num_micro)
         else:
             for i in range(self.num_micro):
-                batch = to_device(next(data), self.state.device)
+                batch = self._next_batch(data)
                 # Only the last micro-batch's backward all-reduces gradients over DP.
                 last = i == self.num_micro - 1
                 with contextlib.nullcontext() if last else self.ddp.no_sync():
                     loss, values = micro_batch_loss(self.forward_step(self.train.model, batch))
-                    self.train.optimizer.scale_loss(loss / self.num_micro).backward()
+                    self._for_backward(loss).backward()
                 step.add(values)
         self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
         # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
@@ -115,16 +127,15 @@ class TrainLoop:
         copies (first and last stage) have summed their gradients, then ``finish_grad_sync``
         launches it.
         """
-        batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
-
-        def scale(loss: Tensor) -> Tensor:
-            return self.train.optimizer.scale_loss(loss / self.num_micro)
+        batches = (self._next_batch(data) for _ in range(self.num_micro))
 
         def sync_last(chunk: int, microbatch: int) -> None:
             self.ddp.sync_backward(microbatch == self.num_micro - 1)
 
         with self.ddp.no_sync():
-            sums, _ = self.stage.run(batches, self.num_micro, micro_batch_loss, scale, sync_last)
+            sums, _ = self.stage.run(
+                batches, self.num_micro, micro_batch_loss, self._for_backward, sync_last
+            )
         allreduce_tied_grads(self.train.model, self.state)
         return sums
 
@@ -140,14 +151,14 @@ class TrainLoop:
         if self.stage is not None:
             # The forward-only schedule, one step's micro-batches at a time.
             for _ in range(iters):
-                batches = (to_device(next(data), self.state.device) for _ in range(self.num_micro))
+                batches = (self._next_batch(data) for _ in range(self.num_micro))
                 sums, _ = self.stage.run(
                     batches, self.num_micro, micro_batch_loss, forward_only=True
                 )
                 step.add(sums, self.num_micro)
         else:
             for _ in range(iters * self.num_micro):
-                batch = to_device(next(data), self.state.device)
+                batch = self._next_batch(data)
                 step.add(micro_batch_loss(self.forward_step(self.train.model, batch))[1])
         self.train.model.train()
         local = step.pack(policy.local_flags())

@@ -80,9 +80,9 @@ def main(
             )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type=model_type))
         if args.dry_run:
-            from megatron.launch.dry_run import dry_run
+            from megatron.launch.dry_run import dry_run_to_stdout
 
-            return dry_run(cfg, args, model_type)
+            return dry_run_to_stdout(cfg, args, model_type)
         if args.preflight:  # what the launch scripts run before they start torchrun
             world_size = args.world_size or int(launcher_env()["WORLD_SIZE"])
             for warning in validate(cfg, world_size):
@@ -111,7 +111,10 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
     try:
         p = cfg.parallel
         state = parallel_state.initialize(
-            p.tensor_parallel_size, p.timeout_minutes, p.pipeline_parallel_size
+            p.tensor_parallel_size,
+            p.timeout_minutes,
+            p.pipeline_parallel_size,
+            p.context_parallel_size,
         )
         setup_logging(state.rank)
         grace = p.heartbeat_grace_s
@@ -158,7 +161,8 @@ def _train(
         _record_config(cfg, config_text)
     m, t = cfg.model, cfg.training
     log.info(
-        "%s: %d layers x %d hidden, %d heads, seq %d, %s; world %d = dp %d x pp %d x tp %d; "
+        "%s: %d layers x %d hidden, %d heads, seq %d, %s; world %d = dp %d x pp %d x cp %d x "
+        "tp %d; "
         "%d iterations of %d samples (%d micro-batches per step), lr %g",
         m.type,
         m.num_layers,
@@ -169,6 +173,7 @@ def _train(
         state.world_size,
         derived.dp_size,
         state.pp_size,
+        state.cp_size,
         derived.tp_size,
         t.train_iters,
         t.global_batch_size,

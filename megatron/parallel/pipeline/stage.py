@@ -62,9 +62,10 @@ def activation_spec(
     sequence_parallel: bool,
     dtype: torch.dtype,
 ) -> ActivationSpec:
-    """What crosses a stage boundary: [micro_batch, seq (/ tp with sequence parallelism),
+    """What crosses a stage boundary: [micro_batch, seq / cp (/ tp with sequence parallelism),
     hidden] in the model's dtype."""
-    seq = cfg.seq_length // state.tp_size if sequence_parallel else cfg.seq_length
+    seq = cfg.seq_length // state.cp_size
+    seq = seq // state.tp_size if sequence_parallel else seq
     return ActivationSpec((micro_batch_size, seq, cfg.hidden_size), dtype, state.device)
 
 
