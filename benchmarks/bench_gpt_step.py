@@ -9,9 +9,10 @@ tests/test_bench_llama.py checks their losses agree). Both models of a row live 
 steps alternate (ours, plain, ours, ...), so a busy neighbour slows both alike; the machine's load
 average is printed with the result because on 2 shared cores it moves the times several-fold.
 Prints one JSON line per row: {model, ours_ms, plain_ms, ratio, threads, loadavg}; the times are
-medians.
+medians. The "startup" row is the time from a fresh interpreter to the tiny demo's first
+iteration, and the imports in it (``benchmarks/startup.py``).
 
-    .venv/bin/python benchmarks/bench_gpt_step.py [--model gpt|llama|all]
+    .venv/bin/python benchmarks/bench_gpt_step.py [--model gpt|llama|startup|all]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.plain_gpt import PlainGPT  # noqa: E402
 from benchmarks.plain_llama import PlainLlama  # noqa: E402
+from benchmarks.startup import measure as measure_startup  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.config.schema import padded_vocab_size  # noqa: E402
 from megatron.models.build import build_model  # noqa: E402
@@ -178,16 +180,21 @@ def time_row(name: str, state: ParallelState, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=[*ROWS, "all"], default="all", help="which row(s)")
+    rows = [*ROWS, "startup"]
+    parser.add_argument("--model", choices=[*rows, "all"], default="all", help="which row(s)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per model first")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    chosen = rows if args.model == "all" else [args.model]
     state = initialize(1)
-    for name in ROWS if args.model == "all" else [args.model]:
+    for name in [n for n in chosen if n in ROWS]:
         print(json.dumps(time_row(name, state, args)), flush=True)
     shutdown()
+    if "startup" in chosen:
+        row = {"model": "startup", **measure_startup(), "loadavg": os.getloadavg()}
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
