@@ -36,10 +36,11 @@ from megatron.parallel.state import shutdown  # noqa: E402
 from tests.gpt_run import prepare_gpt_data, run_pretrain, tiny_overrides  # noqa: E402
 
 
-def scratch_checkpoint(work: Path) -> str:
-    """A save directory holding one training step of bench_pretrain's model (the real
+def scratch_checkpoint(work: Path, vocab_size: int = 512, size_mb: float = 0.5) -> str:
+    """A save directory holding one training step of bench_pretrain's model with a
+    ``vocab_size``-piece tokenizer over a ``size_mb`` sample corpus (the real tools and
     entrypoint)."""
-    data = prepare_gpt_data(work)
+    data = prepare_gpt_data(work, vocab_size, size_mb)
     extra = {
         **SHAPE,
         "checkpoint.save": work / "ckpt",

@@ -17,10 +17,10 @@ def _tool(*args: str) -> None:
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True)
 
 
-def prepare_gpt_data(out: Path) -> dict[str, str]:
-    """Sample corpus (stdlib docstrings), a 512-piece sentencepiece model, preprocessed tokens."""
+def prepare_gpt_data(out: Path, vocab_size: int = 512, size_mb: float = 0.5) -> dict[str, str]:
+    """Sample corpus (stdlib docstrings), a sentencepiece model, preprocessed tokens."""
     corpus, spm, prefix = out / "corpus.jsonl", out / "spm", out / "corpus"
-    _tool("tools/make_sample_corpus.py", "--output", str(corpus), "--size-mb", "0.5")
+    _tool("tools/make_sample_corpus.py", "--output", str(corpus), "--size-mb", str(size_mb))
     _tool(
         "tools/train_tokenizer.py",
         "--input",
@@ -28,7 +28,7 @@ def prepare_gpt_data(out: Path) -> dict[str, str]:
         "--model-prefix",
         str(spm),
         "--vocab-size",
-        "512",
+        str(vocab_size),
         "--threads",
         "1",
     )

@@ -18,6 +18,10 @@ from megatron.errors import ConfigError
 from megatron.inference.detokenize import wikitext_detokenize
 from megatron.inference.evaluation import SlidingWindows, score_last_words, score_windows
 from megatron.inference.tasks import lambada_examples, read_lambada, split_stream, word_count
+from megatron.models.gpt import GPTModel
+from megatron.parallel.random import RNGTracker
+from megatron.parallel.state import ParallelState
+from tests.model_config import tiny_model_config
 
 DETOKENIZED = [
     ("a 19th @-@ century mill", "a 19th-century mill"),
@@ -140,18 +144,19 @@ ONE_RANK = SimpleNamespace(dp_rank=0, dp_size=1, tp_group=None, device=torch.dev
 
 
 class LossIsTarget(torch.nn.Module):
-    """Per-token "loss" = the target id, so the sum says which targets were scored."""
+    """Per-token "loss" = the target id at the positions asked for, so the sum says which
+    targets were scored."""
 
-    def forward(self, tokens, labels):
-        return labels.float()
+    def forward(self, tokens, labels, positions):
+        return labels.gather(1, positions).float()
 
 
 class CopyModel(torch.nn.Module):
     """Predicts that every token repeats (logits one-hot on the input token) among the 12 real
     ids; padded id 15 has the largest logit, so reading past the real vocabulary is never right."""
 
-    def forward(self, tokens):
-        logits = F.one_hot(tokens, 16).float() * 10  # [b, s, padded vocab]
+    def forward(self, tokens, positions):
+        logits = F.one_hot(tokens.gather(1, positions), 16).float() * 10  # [b, p, padded vocab]
         logits[..., 15] = 100.0
         return logits
 
@@ -176,3 +181,69 @@ def test_score_last_words_is_strict():
     ]
     counts = score_last_words(CopyModel(), examples, ONE_RANK, 2, 8, 12)
     assert (counts.n, counts.correct, counts.target.tokens) == (5, 3, 7)
+
+
+# ---- the LM head at the scored positions only, on a real model ------------------------------
+
+
+class FullHead(torch.nn.Module):
+    """The model as evaluation called it before ``positions``: the LM head and the loss at every
+    position, the scored ones picked afterwards."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, labels=None, positions=None):
+        out = self.model(tokens, labels=labels)  # [b, s] losses or [b, s, v] logits
+        index = (
+            positions if labels is not None else positions[..., None].expand(-1, -1, out.shape[-1])
+        )
+        return out.gather(1, index)
+
+
+def tiny_gpt(untied: bool) -> GPTModel:
+    """A 2-layer GPT of vocabulary 100 (padded to 128) at TP=1, in eval mode."""
+    state = ParallelState.serial(torch.device("cpu"))
+    tracker = RNGTracker(state.device)
+    tracker.seed(1234, 0)
+    cfg = tiny_model_config(untie_embeddings_and_output_weights=untied)
+    return GPTModel(cfg, 100, 128, state, tracker).eval()
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_positions_pick_the_full_heads_rows(untied):
+    """Logits and losses at ``positions`` (in any order, repeated) are the full head's there."""
+    model = tiny_gpt(untied)
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 100, (2, 3, 16), generator=g)
+    positions = torch.tensor([[15, 0, 7, 7], [3, 4, 5, 0], [1, 2, 3, 4]])
+    with torch.no_grad():
+        full = FullHead(model)
+        torch.testing.assert_close(
+            model(tokens, positions=positions), full(tokens, positions=positions),
+            rtol=1e-6, atol=1e-6,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            model(tokens, labels=labels, positions=positions),
+            full(tokens, labels=labels, positions=positions),
+            rtol=1e-6, atol=0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 64])
+def test_scored_positions_match_the_full_head(micro_batch_size):
+    """Perplexity and LAMBADA over ragged windows and targets: the model computing only the
+    scored positions gives the full head's results within 1e-6 relative."""
+    model = tiny_gpt(untied=False)
+    tokens = np.random.default_rng(0).integers(0, 100, 83)
+    windows = SlidingWindows(len(tokens), 16, 5)  # the first scores 16, the rest 5, the last 2
+    new = score_windows(model, tokens, windows, ONE_RANK, micro_batch_size)
+    old = score_windows(FullHead(model), tokens, windows, ONE_RANK, micro_batch_size)
+    assert new.tokens == old.tokens == 82
+    assert new.ppl == pytest.approx(old.ppl, rel=1e-6)
+    examples = [(list(tokens[:k]), list(tokens[k : k + 1 + k % 3])) for k in range(3, 30, 2)]
+    new = score_last_words(model, examples, ONE_RANK, micro_batch_size, 16, 100)
+    old = score_last_words(FullHead(model), examples, ONE_RANK, micro_batch_size, 16, 100)
+    assert (new.correct, new.target.tokens) == (old.correct, old.target.tokens)
+    assert new.target.ppl == pytest.approx(old.target.ppl, rel=1e-6)

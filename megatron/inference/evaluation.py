@@ -13,8 +13,9 @@ reach t_{N-1}. L=4, S=2, N=9::
 
 Windows (and LAMBADA examples) go to the DP ranks round-robin; each rank runs its share in
 micro-batches, padded on the right (causal attention: padding never reaches a real position)
-and masked out of the sums. Losses are summed in float64 and all-reduced over the DP group, so
-the totals do not depend on the TP or DP size beyond fp32 rounding of each token's loss.
+and masked out of the sums; only the positions scored go through the LM head and the loss.
+Losses are summed in float64 and all-reduced over the DP group, so the totals do not depend on
+the TP or DP size beyond fp32 rounding of each token's loss.
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ def score_windows(
 ) -> LossTotal:
     """Sum of the per-target losses of every window (each target once), over all DP ranks.
 
-    ``model(tokens, labels=labels)`` returns the per-token fp32 losses of the vocab-parallel
-    cross entropy, exact across TP without gathering the logits.
+    ``model(tokens, labels=labels, positions=positions)`` returns the per-token fp32 losses of
+    the vocab-parallel cross entropy (exact across TP without gathering the logits) at the
+    scored positions only: the LM head and the loss skip the targets a window leaves to its
+    predecessor.
     """
     stream = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     # [loss sum, targets scored], accumulated on the device so batches run without host syncs
@@ -141,16 +144,25 @@ def score_windows(
     for chunk in micro_batches(dp_share(len(windows), state), micro_batch_size):
         batch = [windows[k] for k in chunk]
         width = max(w.length for w in batch)
+        picked = max(w.length - w.first_scored for w in batch)
         inputs = torch.zeros(len(batch), width, dtype=torch.int64)  # [b, s]
         labels = torch.zeros_like(inputs)
-        scored = torch.zeros(len(batch), width, dtype=torch.bool)
+        # A row scoring fewer than ``picked`` targets (the first window's neighbours, a short
+        # last window) repeats its position 0, a real one, masked out of the sum.
+        positions = torch.zeros(len(batch), picked, dtype=torch.int64)  # [b, p]
+        scored = torch.zeros(len(batch), picked, dtype=torch.bool)
         for row, w in enumerate(batch):
             inputs[row, : w.length] = stream[w.start : w.start + w.length]
             labels[row, : w.length] = stream[w.start + 1 : w.start + w.length + 1]
-            scored[row, w.first_scored : w.length] = True
-        losses = model(inputs.to(state.device), labels=labels.to(state.device))  # [b, s] fp32
+            positions[row, : w.length - w.first_scored] = torch.arange(w.first_scored, w.length)
+            scored[row, : w.length - w.first_scored] = True
+        losses = model(
+            inputs.to(state.device),
+            labels=labels.to(state.device),
+            positions=positions.to(state.device),
+        )  # [b, p] fp32
         scored = scored.to(state.device)
-        totals[0] += losses.double()[scored].sum()
+        totals[0] += torch.where(scored, losses.double(), 0.0).sum()
         totals[1] += scored.sum()
     loss_sum, count = dp_sum(totals, state)
     return LossTotal(loss_sum, int(count))
@@ -169,7 +181,8 @@ def score_last_words(
 
     An example reads ``context + target[:-1]`` (its last ``seq_length`` tokens when longer) and
     is correct when the argmax over the real vocabulary is the target at every target position.
-    Only the target positions' logits are gathered over TP.
+    Only the target positions go through the LM head, and only their logits are gathered over
+    TP.
     """
     device = state.device
     # [examples right, target tokens, their loss sum], on the device until the end
@@ -178,17 +191,21 @@ def score_last_words(
         rows = [(examples[i][0] + examples[i][1])[-(seq_length + 1) :] for i in chunk]
         width = max(len(r) for r in rows) - 1
         inputs = torch.zeros(len(rows), width, dtype=torch.int64)  # [b, s]
-        row_of, col_of, targets = [], [], []
+        picked = max(len(examples[i][1]) for i in chunk)
+        # [b, p]: the positions predicting each target; a shorter target repeats position 0
+        positions = torch.zeros(len(rows), picked, dtype=torch.int64)
+        row_of, flat, targets = [], [], []  # per target token: its row, its index in [b * p]
         for row, (ids, i) in enumerate(zip(rows, chunk)):
             inputs[row, : len(ids) - 1] = torch.tensor(ids[:-1])
             n = len(examples[i][1])
+            positions[row, :n] = torch.arange(len(ids) - 1 - n, len(ids) - 1)
             row_of += [row] * n
-            col_of += range(len(ids) - 1 - n, len(ids) - 1)  # positions predicting the target
+            flat += range(row * picked, row * picked + n)
             targets += examples[i][1]
         row_of = torch.tensor(row_of, device=device)
-        logits = model(inputs.to(device))  # [b, s, padded_vocab / tp]
-        picked = logits[row_of, torch.tensor(col_of, device=device)]  # [targets, v / tp]
-        full = gather_from_tp(picked, state.tp_group)[:, :vocab_size].double()  # [targets, v]
+        logits = model(inputs.to(device), positions=positions.to(device))  # [b, p, v / tp]
+        picked_logits = logits.flatten(0, 1).index_select(0, torch.tensor(flat, device=device))
+        full = gather_from_tp(picked_logits, state.tp_group)[:, :vocab_size].double()  # [t, v]
         target_ids = torch.tensor(targets, device=device)
         misses = torch.zeros(len(rows), dtype=torch.int64, device=device)
         misses.index_add_(0, row_of, full.argmax(-1).ne(target_ids).long())

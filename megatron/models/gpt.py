@@ -27,6 +27,11 @@ class GPTModel(nn.Module):
     built from them on the device once per forward and shared by every layer. ``kv_cache``
     (inference): ``tokens`` continue the cached positions; see ``new_kv_cache``.
 
+    ``positions`` (optional, int [b, p], evaluation) picks the positions of each sample whose
+    logits or losses are computed: the result is [b, p, padded_vocab / tp], or [b, p] losses
+    of ``labels`` [b, s] at those positions. Only they go through the LM head and the loss, the
+    largest GEMM of a small model, where a sliding window scores a part of its positions.
+
     ``sequence_parallel`` (training; needs TP > 1 and a sequence length TP divides) splits the
     activations between the TP regions along the sequence; the LM head all-gathers them back.
     Decoding with a KV cache needs a model built without it.
@@ -89,12 +94,16 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         hidden: Tensor | None = None,
         chunk: int = 0,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """In a pipeline, model chunk ``chunk`` of this stage runs: it takes ``hidden`` (the
         previous stage's output) unless it is the first stage's first chunk, and returns its
         activation [b, s, h] ([b, s / tp, h] split) unless it is the last stage's last chunk."""
         if kv_cache is not None and self.sequence_parallel:
             raise ValueError("a KV cache needs a model built without sequence_parallel")
+        if positions is not None and self.sequence_parallel:
+            # each TP rank holds a slice of the sequence, not the positions picked from it
+            raise ValueError("positions need a model built without sequence_parallel")
         if position_ids is None:
             start = 0 if kv_cache is None else kv_cache.length
             position_ids = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
@@ -119,6 +128,13 @@ class GPTModel(nn.Module):
         # also gathers the sequence back.
         table = self.embedding.word if self.output_layer is None else self.output_layer
         enter = gather_seq_to_tp if self.sequence_parallel else copy_to_tp
+        if positions is not None:
+            # The head's input is whole on every TP rank, so each picks the same rows.
+            b, s, width = h.shape
+            rows = (positions + s * torch.arange(b, device=h.device)[:, None]).reshape(-1)
+            h = h.reshape(b * s, width).index_select(0, rows).view(*positions.shape, width)
+            if labels is not None:
+                labels = labels.reshape(-1).index_select(0, rows).view(positions.shape)
         logits = F.linear(enter(h, self.tp_group), table.weight)
         if labels is None:
             return logits
