@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # Errors by which storage refuses a write, whatever the data: the user's fix for each.
@@ -73,9 +73,11 @@ def write_contents(path: str, contents: str | bytes) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
-def write_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to a new file at ``path`` and fsync it before returning."""
+def write_durable(path: str, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (the bytes, or the file's pieces in order) to a new file at ``path`` and
+    fsync it before returning."""
     with open(path, "wb") as f:
-        f.write(data)
+        for piece in [data] if isinstance(data, bytes) else data:
+            f.write(piece)
         f.flush()
         os.fsync(f.fileno())

@@ -1,10 +1,10 @@
 """Loading checkpoints: which one (the newest intact), and restoring every object from it.
 
 Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
-meta.json parses and whose files match their sha256 (each rank hashes a share) is used, with a
-warning for each one passed over. One checkpoint directory (``iter_*``) given instead of a save
-directory is that checkpoint alone. Tensors go through safetensors, the rest is JSON: nothing is
-ever unpickled.
+meta.json parses and whose files match their sha256 (each rank hashes a share, while it reads
+the tensors) is used, with a warning for each one passed over. One checkpoint directory
+(``iter_*``) given instead of a save directory is that checkpoint alone. Tensors go through
+safetensors, the rest is JSON: nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -171,23 +172,15 @@ def _broadcast_ints(values: list[int], state: ParallelState) -> list[int]:
     return t.tolist()
 
 
-def _on_every_rank(state: ParallelState, what: str, fn: Callable[[], _T]) -> _T:
-    """``fn()``; if it raised on any rank, raise on every rank, so none waits in a collective."""
-    try:
-        result, error = fn(), None
-    except Exception as e:  # re-raised below, after every rank knows
-        result, error = None, e
-    if _any_rank(error is not None, state):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"{what} failed on another rank; see that rank's error")
-    return result
-
-
-def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
+def _select(
+    load_dir: str, state: ParallelState, read: Callable[[str, dict[str, Any]], _T]
+) -> tuple[str, dict[str, Any], _T]:
     """The newest intact checkpoint of a save directory, or ``load_dir`` itself if it is one
-    checkpoint and intact; every rank hashes a share of each candidate's files.
+    checkpoint and intact, as (path, meta, ``read(path, meta)``); every rank hashes a share of
+    each candidate's files. If ``read`` raised on any rank, it raises on every rank.
 
+    ``read`` runs while another thread hashes this rank's share: checking costs no pass over the
+    files of its own, and what ``read`` took from a candidate that fails the check is dropped.
     A missing file or an unreadable meta.json is seen alike by every rank, so when no candidate
     is intact the error names the newest one's problem (a sha256 mismatch only its hasher saw
     is in that rank's warning).
@@ -204,19 +197,31 @@ def _select(load_dir: str, state: ParallelState) -> tuple[str, dict[str, Any]]:
             )
     newest = None
     for path in paths:
+        result, error = None, None
         try:
             meta = read_meta(path)
-            # Missing files every rank checks alike (reading nothing, so all agree on the line);
-            # the sha256s a share each.
+            # Missing files every rank checks alike (reading nothing, so all agree on the line).
             alike = check_files(path, meta, sorted(meta["files"]), hashes=False)
-            share = sorted(meta["files"])[state.rank :: state.world_size]
-            problem = alike or check_files(path, meta, share)
         except ConfigError as e:
-            meta, problem, alike = None, str(e), str(e)
+            meta, alike = None, str(e)
+        problem = alike
+        if alike is None:
+            share = sorted(meta["files"])[state.rank :: state.world_size]
+            with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as pool:
+                hashing = pool.submit(check_files, path, meta, share)
+                try:
+                    result = read(path, meta)
+                except Exception as e:  # raised below on every rank, if the checkpoint is intact
+                    error = e
+                problem = hashing.result()
         if problem and (alike is None or state.rank == 0):  # what all ranks found, one says
             logger.warning("%s", problem)
         if not _any_rank(problem is not None, state):
-            return path, meta
+            if _any_rank(error is not None, state):
+                if error is not None:
+                    raise error
+                raise RuntimeError("checkpoint load failed on another rank; see that rank's error")
+            return path, meta, result
         newest = newest or alike or "see the warnings above"
         if state.rank == 0:
             logger.warning("checkpoint %s is incomplete or corrupt; trying the previous one", path)
@@ -265,10 +270,9 @@ def load_checkpoint(
     no intact checkpoint: a requested resume never silently starts fresh.
     """
     model, optimizer, tracker = train.model, train.optimizer, train.tracker
-    path, meta = _select(load_dir, state)
     model_keys = _whole_model_keys(model, state)
 
-    def read() -> tuple[dict, dict, tuple | None]:
+    def read(path: str, meta: dict[str, Any]) -> tuple[dict, dict, tuple | None]:
         if meta["vocab_size"] != vocab_size:
             raise ConfigError(
                 f"{path} was saved for a vocabulary of {meta['vocab_size']} tokens, the tokenizer "
@@ -280,7 +284,7 @@ def load_checkpoint(
         rng = None if finetune or tracker is None else _read_rng(path, meta, state)
         return weights, entries, rng
 
-    weights, entries, rng = _on_every_rank(state, "checkpoint load", read)
+    path, meta, (weights, entries, rng) = _select(load_dir, state, read)
     model.load_state_dict(weights)
     if finetune:
         if optimizer is not None:

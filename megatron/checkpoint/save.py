@@ -24,11 +24,12 @@ tensors for a synchronous save, host copies for a background one (megatron.check
 ``write_and_publish`` (inline, or in the background) does the rest over a gloo group kept for
 checkpoints alone, so no rank ever waits for a save inside an NCCL collective or a group the
 training loop uses: rank 0 draws a nonce; each rank writes and fsyncs its files in
-``iter_0000100.tmp-<nonce>/``, hashing the bytes as it writes them; rank 0 gathers the sums,
-writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only then replaces
-``latest``; last it tells every rank how it went. A process killed at any point leaves
-``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank 0
-removes the temporary directory once every rank is done with it, and where storage refused a
+``iter_0000100.tmp-<nonce>/``, each on a thread of its own, streamed from the tensors (no copy
+of a file in memory) and hashed by another thread as the pieces are written; rank 0 gathers
+the sums, writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only
+then replaces ``latest``; last it tells every rank how it went. A process killed at any point
+leaves ``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank
+0 removes the temporary directory once every rank is done with it, and where storage refused a
 write (a full or read-only disk) every rank raises the same one-line StorageError. Loading:
 megatron.checkpoint.load.
 """
@@ -43,7 +44,10 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterable
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -89,15 +93,56 @@ COORDINATION_TIMEOUT = timedelta(minutes=30)
 # The coordination group, and the default group it was made beside (a new world needs a new one).
 _COORDINATION: dict[str, Any] = {}
 Files = dict[str, tuple[dict[str, Tensor], dict[str, str] | None]]
+Buffer = bytes | memoryview
+# Bytes of a tensor written and hashed at a time: the hashing thread follows each write closely.
+_PIECE = 16 << 20
+# Pieces the hashing thread may fall behind the writes; each holds its tensor (a device tensor's
+# host copy) alive until hashed.
+_HASH_LAG = 4
+
+
+def _pieces(tensors: dict[str, Tensor], header: dict[str, str] | None) -> Iterator[Buffer]:
+    """The bytes of ``safetensors.torch.save(tensors, header)``, a piece at a time, straight from
+    the tensors: no copy of the file in memory (a device tensor comes to the host one by one)."""
+    # The library lays out empty stand-ins: its order, dtype codes and metadata exactly as it
+    # writes them; only the shapes and offsets are the real tensors'.
+    stub = serialize({k: torch.empty(0, dtype=t.dtype) for k, t in tensors.items()}, header)
+    (size,) = struct.unpack("<Q", stub[:8])
+    layout = json.loads(stub[8 : 8 + size])
+    order = [key for key in layout if key != "__metadata__"]
+    offset = 0
+    for key in order:
+        end = offset + tensors[key].nbytes
+        layout[key].update(shape=list(tensors[key].shape), data_offsets=[offset, end])
+        offset = end
+    text = json.dumps(layout, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the library's padding: data starts 8-byte aligned
+    yield struct.pack("<Q", len(text)) + text
+    for key in order:
+        t = tensors[key].detach().cpu().contiguous()
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for start in range(0, len(data), _PIECE):
+            yield data[start : start + _PIECE]
 
 
 def write_tensors(
     path: str, tensors: dict[str, Tensor], header: dict[str, str] | None = None
 ) -> str:
-    """Write a safetensors file and fsync it; its sha256, from the bytes written (no read-back)."""
-    data = serialize({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, header)
-    write_durable(path, data)
-    return hashlib.sha256(data).hexdigest()
+    """Write a safetensors file straight from ``tensors`` and fsync it; its sha256, hashed by a
+    second thread from the very pieces written, while they are written (no read-back)."""
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hasher:
+
+        def hashed() -> Iterator[Buffer]:
+            behind: deque[Future[None]] = deque()
+            for piece in _pieces(tensors, header):
+                behind.append(hasher.submit(digest.update, piece))
+                if len(behind) > _HASH_LAG:
+                    behind.popleft().result()
+                yield piece
+
+        write_durable(path, hashed())
+    return digest.hexdigest()
 
 
 def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None) -> str:
@@ -170,7 +215,8 @@ class SaveJob:
     """One rank's share of one save, held apart from the live training state.
 
     ``files``: name -> (tensors, safetensors header). ``meta`` (rank 0): meta.json but for
-    ``files`` and ``writers``. ``ready`` waits until device-to-host copies have landed.
+    ``files`` and ``writers``. ``ready`` waits, before any file is written, until the tensors
+    are final on the device (the host copies landed; the live tensors, for a synchronous save).
     ``error``: the capture failed; the job then only reports it, so no rank waits for this one.
     ``layout`` (DP rank 0 of each (TP, PP) rank, with the distributed optimizer): (its index
     ``pp_rank * tp_size + tp_rank``, its shard layout); ``stage`` (the writer of TP rank 0's file
@@ -333,8 +379,14 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
             if job.ready is not None:
                 job.ready()
             os.makedirs(tmp, exist_ok=True)
-            for name, (tensors, header) in job.files.items():
-                sums[name] = write_tensors(os.path.join(tmp, name), tensors, header)
+            # Each file on a thread of its own: one file's fsync overlaps the others' writes.
+            workers = max(1, len(job.files))
+            with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-write") as pool:
+                written = {
+                    name: pool.submit(write_tensors, os.path.join(tmp, name), tensors, header)
+                    for name, (tensors, header) in job.files.items()
+                }
+            sums = {name: future.result() for name, future in written.items()}
         except Exception as e:  # reported below, to every rank
             error = e
     nbytes = sum(t.nbytes for tensors, _ in job.files.values() for t in tensors.values())
@@ -381,7 +433,11 @@ def save_checkpoint(
     if any rank failed.
     """
     group = coordination_group(state)
-    return write_and_publish(capture(save_dir, train, cfg, state, vocab_size), group)
+    job = capture(save_dir, train, cfg, state, vocab_size)
+    if state.device.type == "cuda":
+        # The writer threads copy the live tensors to the host on streams of their own.
+        job.ready = torch.cuda.current_stream(state.device).synchronize
+    return write_and_publish(job, group)
 
 
 def save_offline(

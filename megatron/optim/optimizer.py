@@ -328,8 +328,9 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
         """Restore ``state_dict()`` output; call after the model weights are loaded.
 
         A saved ``main`` overwrites the main copy (and the model param); without one, the main
-        copy is taken from the model. The optimizer adopts the moment tensors it is given (no
-        copy when they already sit on the right device), so pass a state nobody else updates.
+        copy is taken from the model. The moments are copied into fresh tensors: a checkpoint's
+        may map its file, which would then be read at the first step and held on disk after
+        ``keep_last`` deleted it.
         """
         saved = state["params"]
         check_entries(saved, self.names, self.model_params)
@@ -351,8 +352,8 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
             if "exp_avg" in entry:
                 inner["state"][index[id(main)]] = {
                     "step": torch.tensor(float(self._steps[i])),
-                    "exp_avg": entry["exp_avg"],
-                    "exp_avg_sq": entry["exp_avg_sq"],
+                    "exp_avg": torch.empty_like(main).copy_(entry["exp_avg"]),
+                    "exp_avg_sq": torch.empty_like(main).copy_(entry["exp_avg_sq"]),
                 }
         # torch's own loader casts and moves every state tensor next to its parameter.
         self.inner.load_state_dict(inner)
