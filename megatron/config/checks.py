@@ -197,6 +197,25 @@ def _check_decoder(cfg: Config) -> None:
         )
 
 
+def _check_profiling(cfg: Config) -> None:
+    """Each window is [start, end] in 1-based iterations; its files go under
+    logging.tensorboard_dir or checkpoint.save (``megatron.training.profiling``)."""
+    for key in ("profile_steps", "memory_snapshot_steps"):
+        steps = getattr(cfg.logging, key)
+        if steps is None:
+            continue
+        if len(steps) != 2 or min(steps) < 1 or steps[0] > steps[1]:
+            raise ConfigError(
+                f"logging.{key}={steps} must be [start, end], two positive iterations with "
+                "start <= end; e.g. [3, 4]"
+            )
+        if not (cfg.logging.tensorboard_dir or cfg.checkpoint.save):
+            raise ConfigError(
+                f"logging.{key} writes under <logging.tensorboard_dir>/profile, else "
+                "<checkpoint.save>/profile; set one of them"
+            )
+
+
 def check_config(cfg: Config) -> None:
     """The checks that need neither the world size nor the file system."""
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.precision
@@ -225,6 +244,7 @@ def check_config(cfg: Config) -> None:
             "activations over the TP group); set it to false or raise the TP size"
         )
     _check_context_parallel(cfg)
+    _check_profiling(cfg)
     cp = cfg.parallel.context_parallel_size
     if cfg.parallel.sequence_parallel and m.seq_length % (tp * cp):
         raise ConfigError(

@@ -292,6 +292,31 @@ class LoggingConfig:
     log_interval: int = _doc("Iterations between log lines.", 10)
     tensorboard_dir: str | None = _doc("TensorBoard event directory; null: off.", None)
     metrics_file: str | None = _doc("JSON-lines metrics file; null: off.", None)
+    profile_steps: list[int] | None = _doc(
+        "[start, end]: torch.profiler trace of iterations start..end (CPU, and CUDA on GPUs), "
+        "one rank<N>.*.pt.trace.json per rank (Chrome trace and TensorBoard plugin) in "
+        "<tensorboard_dir>/profile, else <checkpoint.save>/profile; null: off.",
+        None,
+    )
+    memory_snapshot_steps: list[int] | None = _doc(
+        "[start, end]: CUDA allocator history over iterations start..end, dumped as "
+        "rank<N>.memory_snapshot.pickle per rank (pytorch.org/memory_viz) where profile_steps "
+        "writes; CUDA only, refused on CPU; null: off.",
+        None,
+    )
+    wandb_project: str | None = _doc(
+        "Weights & Biases project (pip install wandb): rank 0 logs TensorBoard's scalars and the "
+        "config there, the run's files under checkpoint.save/wandb (else tensorboard_dir/wandb, "
+        "else W&B's ./wandb); with checkpoint.save, its wandb_run_id names the run, so a resumed "
+        "run continues it; null: off.",
+        None,
+    )
+    wandb_run_name: str | None = _doc("Weights & Biases run name; null: W&B's own.", None)
+    wandb_mode: Literal["online", "offline", "disabled"] = _doc(
+        "Weights & Biases mode: online syncs as it goes, offline keeps the run on disk (wandb "
+        "sync uploads it), disabled logs nothing and needs no wandb package.",
+        "online",
+    )
 
 
 @dataclass

@@ -4,6 +4,7 @@ before any process starts work (``validate``); the dry run stops after it."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from megatron.config.checks import check_config, check_world
 from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
+from megatron.training.wandb_logger import wandb_wanted
 
 # Exported (=1) by the launch scripts once their --preflight, which prints the warnings, passed.
 PREFLIGHT_PASSED = "MEGATRON_PREFLIGHT_PASSED"
@@ -55,6 +57,16 @@ def _check_files(cfg: Config) -> int:
                 f"{vocab_size} ids; re-run tools/preprocess_data.py with it"
             )
     return vocab_size
+
+
+def _check_packages(cfg: Config) -> None:
+    """The optional packages the config asks for are installed (found, not imported: importing
+    wandb costs every rank a second, and only rank 0 uses it)."""
+    if wandb_wanted(cfg) and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb_project={cfg.logging.wandb_project}: needs the wandb package; "
+            "pip install wandb"
+        )
 
 
 def _existing(path: str) -> str:
@@ -122,12 +134,14 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> list[str
     """Every check, before any process group or data work; raises ConfigError naming key and fix,
     returns the warnings (the run can go on, but is likely to fail later).
 
-    ``check_files=False`` skips the file-system checks (shipped configs, dry runs elsewhere).
+    ``check_files=False`` skips the checks of this machine, its files and optional packages
+    (shipped configs, dry runs elsewhere).
     """
     check_world(cfg, world_size)
     check_config(cfg)
     if not check_files:
         return []
+    _check_packages(cfg)
     vocab_size = _check_files(cfg)
     _check_outputs(cfg)
     warning = _save_space_warning(cfg, cfg.derived(world_size).padded_vocab_size(vocab_size))

@@ -34,6 +34,7 @@ from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grad
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy
 from megatron.training.metrics import LogWindow, MetricsLogger, gather_memory, memory_mb
+from megatron.training.profiling import Profiling
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
 from megatron.training.train_state import TrainState
 
@@ -190,8 +191,10 @@ class TrainLoop:
         Every exit (the end, a signal, the NaN stop, an exception) first waits for a save still
         being written in the background; that save's error, if any, is raised here.
         """
+        profiling = Profiling(self.cfg, self.state.rank, self.state.device)
         try:
-            code = self._iterate(train_iter, valid_iter, test_iter, policy)
+            code = self._iterate(train_iter, valid_iter, test_iter, policy, profiling)
+            profiling.close()  # a window the run ended inside is written now
             self.ddp.wait_param_gather()  # the last step's, with parallel.overlap_param_gather
             return code
         finally:
@@ -204,12 +207,14 @@ class TrainLoop:
         valid_iter: Iterator[Batch] | None,
         test_iter: Iterator[Batch] | None,
         policy: ExitPolicy,
+        profiling: Profiling,
     ) -> int:
         cfg, p, t = self.cfg, self.train.progress, self.cfg.training
         self.train.model.train()
         while p.iteration < t.train_iters:
             if self.heartbeat is not None:
                 self.heartbeat.iteration = p.iteration + 1  # published with its next beat
+            profiling.step(p.iteration + 1)
             start = time.perf_counter()
             result, means, memory, flags = self.train_step(train_iter, policy)
             # The step ended in a host sync after its last kernel (the optimizer's copy-back), so

@@ -1,5 +1,5 @@
 """Training metrics: the log window, the workload's FLOPs, memory figures, and ``MetricsLogger``,
-which writes each logged iteration to the console, TensorBoard and the JSONL metrics file."""
+which writes each logged iteration to the console, TensorBoard, the JSONL metrics file and W&B."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from megatron.estimate.flops import flops_per_iteration
 from megatron.logging import log
 from megatron.optim.optimizer import StepResult
 from megatron.parallel.state import ParallelState
+from megatron.training.wandb_logger import WandbRun, wandb_wanted
 
 # The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
 # first number after "peak memory (MB): " stays rank 0's, as tools/gpu_check reads it).
@@ -125,8 +126,8 @@ class Workload:
 
 
 class MetricsLogger:
-    """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin), JSON lines, and
-    the console lines of training and validation."""
+    """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin), the same in W&B
+    when ``cfg`` asks for it, JSON lines, and the console lines of training and validation."""
 
     def __init__(
         self,
@@ -135,12 +136,16 @@ class MetricsLogger:
         enabled: bool,
         config_text: str,
         work: Workload,
+        cfg: Config | None = None,
     ):
         self.work = work
         self.tb: Any = _NullWriter()
         self.metrics = None
+        self.wandb: WandbRun | None = None
         if not enabled:
             return
+        if cfg is not None and wandb_wanted(cfg):
+            self.wandb = WandbRun(cfg)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -155,6 +160,8 @@ class MetricsLogger:
         for name, value in values.items():
             self.tb.add_scalar(name, value, iteration)
             self.tb.add_scalar(f"{name} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.log(values, iteration, samples)
 
     def record(self, entry: dict[str, Any]) -> None:
         """One JSON line; floats are written with repr precision, so runs compare exactly."""
@@ -200,9 +207,15 @@ class MetricsLogger:
         )
         scalars = {"learning-rate": lr, **means, "loss-scale": scale, "grad-norm": norm}
         self.scalars({**scalars, "iteration-time": seconds}, iteration, samples)
-        for name, values in memory.items():  # one curve per rank: mem-peak-mb/rank-0, ...
-            for rank, value in enumerate(values):
-                self.tb.add_scalar(f"{name.replace('_', '-')}/rank-{rank}", value, iteration)
+        per_rank = {  # one curve per rank: mem-peak-mb/rank-0, ...
+            f"{name.replace('_', '-')}/rank-{rank}": value
+            for name, values in memory.items()
+            for rank, value in enumerate(values)
+        }
+        for name, value in per_rank.items():
+            self.tb.add_scalar(name, value, iteration)
+        if self.wandb is not None and per_rank:
+            self.wandb.log(per_rank, iteration)
         fields: dict[str, Any] = {
             "iteration": f"{iteration:8d}/{work.train_iters:8d}",
             "consumed samples": samples,
@@ -235,6 +248,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
         if self.metrics is not None:
             self.metrics.close()
 

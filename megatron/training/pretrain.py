@@ -246,7 +246,12 @@ def _train(
 
     work = Workload.of(cfg, padded_vocab, state.world_size)
     metrics = MetricsLogger(
-        cfg.logging.tensorboard_dir, cfg.logging.metrics_file, state.is_first, config_text, work
+        cfg.logging.tensorboard_dir,
+        cfg.logging.metrics_file,
+        state.is_first,
+        config_text,
+        work,
+        cfg,
     )
     stage = None  # with pipeline parallelism: this rank's stage, which runs the schedule
     if state.pp_size > 1:
