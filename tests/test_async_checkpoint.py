@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from megatron.checkpoint import find_latest, load_checkpoint
-from megatron.checkpoint import save as checkpointing
+from megatron.checkpoint import find_latest, load_checkpoint, streamed_file
 from megatron.checkpoint.async_save import Checkpointer
 from megatron.parallel.state import initialize
 from megatron.training.train_state import Progress, TrainState
@@ -36,13 +35,13 @@ def _save_then_fail(cfg, save_dir):
     load_checkpoint(save_dir, probe, st, VOCAB)
     loaded_ok = same(snapshot(probe.model), saved)
 
-    real_write = checkpointing.write_durable
+    real_write = streamed_file.write_durable
     if st.rank == 1:  # this rank's disk is full for saves 2 and 3, in the background thread
 
         def full(path, data):
             raise OSError(28, "No space left on device", path)
 
-        checkpointing.write_durable = full
+        streamed_file.write_durable = full
     errors = []
     for it, surface in ((2, saves.wait), (3, lambda: saves.save(save_dir, at(4), *rest))):
         saves.save(save_dir, at(it), *rest)
@@ -51,7 +50,7 @@ def _save_then_fail(cfg, save_dir):
         except Exception as e:
             errors.append(f"{type(e).__name__}: {e}")
         errors.append((find_latest(save_dir), sorted(os.listdir(save_dir))))
-    checkpointing.write_durable = real_write
+    streamed_file.write_durable = real_write
     saves.save(save_dir, at(5), *rest)
     saves.wait()
     return lines, loaded_ok, errors, find_latest(save_dir), sorted(os.listdir(save_dir))

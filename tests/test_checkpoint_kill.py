@@ -14,8 +14,7 @@ import threading
 
 import pytest
 
-from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
-from megatron.checkpoint import save as checkpointing
+from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint, streamed_file
 from megatron.checkpoint.async_save import Checkpointer
 from megatron.parallel.state import initialize
 from megatron.training.train_state import Progress, TrainState
@@ -45,14 +44,14 @@ def _trace_save(save_dir, args, kill_at: int | None, background: bool = False) -
     for name in ("fsync", "rename", "replace", "remove"):
         hook(os, name)
     hook(shutil, "rmtree")
-    hook(checkpointing, "write_durable")
+    hook(streamed_file, "write_durable")
     if not background:
         save_checkpoint(save_dir, *args)
         return trace
     # The writer serialises only after the training step has changed the weights: what it
     # writes must be the host copies taken at the save, not the live tensors.
-    stepped, serialize = threading.Event(), checkpointing.serialize
-    checkpointing.serialize = lambda *a, **k: stepped.wait() and serialize(*a, **k)
+    stepped, serialize = threading.Event(), streamed_file.serialize
+    streamed_file.serialize = lambda *a, **k: stepped.wait() and serialize(*a, **k)
     saves = Checkpointer(True, lambda _: None)
     saves.save(save_dir, *args)
     train(args[0].model, args[0].optimizer, args[0].schedule, 1, seed=9)

@@ -14,8 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_save
 
-from megatron.checkpoint import load_checkpoint, save_checkpoint
-from megatron.checkpoint import save as checkpointing
+from megatron.checkpoint import load_checkpoint, save_checkpoint, streamed_file
 from megatron.checkpoint.format import read_meta, sha256_file
 from megatron.parallel.state import initialize
 from megatron.training.train_state import Progress, TrainState
@@ -45,9 +44,9 @@ def _header(data: bytes) -> dict:
 
 @pytest.mark.parametrize("metadata", [None, {}, {"python": 'x"\\\n\x01\u00fc'}])
 def test_streamed_file_is_byte_identical_to_safetensors_save(tmp_path, monkeypatch, metadata):
-    monkeypatch.setattr(checkpointing, "_PIECE", 7)  # pieces that split tensors unevenly
+    monkeypatch.setattr(streamed_file, "_PIECE", 7)  # pieces that split tensors unevenly
     tensors, path = _tensors(), str(tmp_path / "f.safetensors")
-    digest = checkpointing.write_tensors(path, tensors, metadata)
+    digest = streamed_file.write_tensors(path, tensors, metadata)
     written = open(path, "rb").read()
     assert written == safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata)
     assert digest == hashlib.sha256(written).hexdigest() == sha256_file(path)
@@ -58,7 +57,7 @@ def test_several_metadata_keys_lay_out_as_safetensors_does(tmp_path):
     # run): the header matches as JSON, and everything after it byte for byte.
     tensors, path = _tensors(), str(tmp_path / "f.safetensors")
     metadata = {"python": "[1, 2]", "numpy": "[3]", "z": ""}
-    checkpointing.write_tensors(path, tensors, metadata)
+    streamed_file.write_tensors(path, tensors, metadata)
     written = open(path, "rb").read()
     reference = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata)
     assert len(written) == len(reference) and _header(written) == _header(reference)
@@ -69,7 +68,7 @@ def test_several_metadata_keys_lay_out_as_safetensors_does(tmp_path):
 
 def test_pieces_are_the_tensors_own_memory():
     tensors = {"a": torch.randn(1000), "b": torch.randn(10, 10)}
-    pieces = list(checkpointing._pieces(tensors, None))[1:]  # after the header
+    pieces = list(streamed_file._pieces(tensors, None))[1:]  # after the header
     addresses = [np.frombuffer(p, dtype=np.uint8).ctypes.data for p in pieces]
     assert addresses == [tensors["a"].data_ptr(), tensors["b"].data_ptr()]
 

@@ -184,7 +184,7 @@ def kill_in_save() -> None:
     KILL_SAVE="<iteration>|<step prefix>": the process dies before the first file-system step of
     the save of <iteration> whose trace starts with the prefix (see KILL_POINTS).
     """
-    from megatron.checkpoint import save as checkpointing
+    from megatron.checkpoint import streamed_file
     from megatron.checkpoint.async_save import Checkpointer
 
     iteration, point = os.environ["KILL_SAVE"].split("|")
@@ -209,7 +209,7 @@ def kill_in_save() -> None:
     Checkpointer.save = save
     trap(os, "rename")
     trap(os, "replace")
-    trap(checkpointing, "write_durable")
+    trap(streamed_file, "write_durable")
     runpy.run_path(str(ROOT / "pretrain_gpt.py"), run_name="__main__")
 
 

@@ -39,9 +39,9 @@ from megatron.training.train_state import TrainState
 class HostBuffers:
     """Host copies of the tensors a save writes, reused from one save to the next.
 
-    The files are written straight from them (``save.write_tensors``): the state is copied once,
-    so a background save holds about one state's worth of host memory, pinned only for CUDA
-    tensors. Reuse is safe because a save starts only after the previous one has finished.
+    The files are written straight from them (``streamed_file.write_tensors``): the state is
+    copied once, so a background save holds about one state's worth of host memory, pinned only
+    for CUDA tensors. Reuse is safe because a save starts only after the previous one has finished.
     """
 
     def __init__(self) -> None:

@@ -19,42 +19,38 @@
         rng_rank00000.safetensors     each rank's torch CPU/CUDA and TP-tracker states (tensors),
         ...                           python's and numpy's (JSON in the file's header)
 
-Save, in two halves. ``capture`` (on the training thread) takes what this rank writes: live
-tensors for a synchronous save, host copies for a background one (megatron.checkpoint.async_save).
+Save, in two halves. ``capture`` (on the training thread) takes what this rank writes: live tensors
+for a synchronous save, host copies for a background one (megatron.checkpoint.async_save).
 ``write_and_publish`` (inline, or in the background) does the rest over a gloo group kept for
 checkpoints alone, so no rank ever waits for a save inside an NCCL collective or a group the
 training loop uses: rank 0 draws a nonce; each rank writes and fsyncs its files in
-``iter_0000100.tmp-<nonce>/``, each on a thread of its own, streamed from the tensors (no copy
-of a file in memory) and hashed by another thread as the pieces are written; rank 0 gathers
-the sums, writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only
+``iter_0000100.tmp-<nonce>/``, each on a thread of its own, streamed from the tensors (no copy of a
+file in memory: ``streamed_file``) and hashed by another thread as the pieces are written; rank 0
+gathers the sums, writes meta.json, renames the directory into place, fsyncs ``save_dir``, and only
 then replaces ``latest``; last it tells every rank how it went. A process killed at any point
-leaves ``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank
-0 removes the temporary directory once every rank is done with it, and where storage refused a
-write (a full or read-only disk) every rank raises the same one-line StorageError. Loading:
+leaves ``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank 0
+removes the temporary directory once every rank is done with it, and where storage refused a write
+(a full or read-only disk) every rank raises the same one-line StorageError. Loading:
 megatron.checkpoint.load.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
-import struct
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as serialize
 from torch import Tensor
 
 from megatron.atomic_file import (
@@ -63,7 +59,6 @@ from megatron.atomic_file import (
     mib,
     refusal,
     write_contents,
-    write_durable,
 )
 from megatron.checkpoint.format import (
     FORMAT_VERSION,
@@ -76,6 +71,7 @@ from megatron.checkpoint.format import (
 from megatron.checkpoint.load import LATEST, find_latest, iterations
 from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
+from megatron.checkpoint.streamed_file import write_tensors
 from megatron.config.schema import Config, to_dict
 from megatron.errors import StorageError
 from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer
@@ -93,56 +89,6 @@ COORDINATION_TIMEOUT = timedelta(minutes=30)
 # The coordination group, and the default group it was made beside (a new world needs a new one).
 _COORDINATION: dict[str, Any] = {}
 Files = dict[str, tuple[dict[str, Tensor], dict[str, str] | None]]
-Buffer = bytes | memoryview
-# Bytes of a tensor written and hashed at a time: the hashing thread follows each write closely.
-_PIECE = 16 << 20
-# Pieces the hashing thread may fall behind the writes; each holds its tensor (a device tensor's
-# host copy) alive until hashed.
-_HASH_LAG = 4
-
-
-def _pieces(tensors: dict[str, Tensor], header: dict[str, str] | None) -> Iterator[Buffer]:
-    """The bytes of ``safetensors.torch.save(tensors, header)``, a piece at a time, straight from
-    the tensors: no copy of the file in memory (a device tensor comes to the host one by one)."""
-    # The library lays out empty stand-ins: its order, dtype codes and metadata exactly as it
-    # writes them; only the shapes and offsets are the real tensors'.
-    stub = serialize({k: torch.empty(0, dtype=t.dtype) for k, t in tensors.items()}, header)
-    (size,) = struct.unpack("<Q", stub[:8])
-    layout = json.loads(stub[8 : 8 + size])
-    order = [key for key in layout if key != "__metadata__"]
-    offset = 0
-    for key in order:
-        end = offset + tensors[key].nbytes
-        layout[key].update(shape=list(tensors[key].shape), data_offsets=[offset, end])
-        offset = end
-    text = json.dumps(layout, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)  # the library's padding: data starts 8-byte aligned
-    yield struct.pack("<Q", len(text)) + text
-    for key in order:
-        t = tensors[key].detach().cpu().contiguous()
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        for start in range(0, len(data), _PIECE):
-            yield data[start : start + _PIECE]
-
-
-def write_tensors(
-    path: str, tensors: dict[str, Tensor], header: dict[str, str] | None = None
-) -> str:
-    """Write a safetensors file straight from ``tensors`` and fsync it; its sha256, hashed by a
-    second thread from the very pieces written, while they are written (no read-back)."""
-    digest = hashlib.sha256()
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hasher:
-
-        def hashed() -> Iterator[Buffer]:
-            behind: deque[Future[None]] = deque()
-            for piece in _pieces(tensors, header):
-                behind.append(hasher.submit(digest.update, piece))
-                if len(behind) > _HASH_LAG:
-                    behind.popleft().result()
-                yield piece
-
-        write_durable(path, hashed())
-    return digest.hexdigest()
 
 
 def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None) -> str:

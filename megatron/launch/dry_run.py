@@ -31,6 +31,7 @@ from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
+from megatron.estimate.longest_sequence import longest_seq_length, seq_granularity
 from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
@@ -41,9 +42,7 @@ from megatron.estimate.memory import (
     count_parameters,
     estimate_stages,
     fits,
-    longest_seq_length,
     ring_attention_bytes,
-    seq_granularity,
     usable_bytes,
     worst_stage,
 )
