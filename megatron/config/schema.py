@@ -330,7 +330,6 @@ class Derived:
     num_micro_batches: int  # micro-batches per step on each rank: gbs / (mbs * dp)
     head_dim: int  # ModelConfig.head_dim
     vocab_multiple: int  # make_vocab_size_divisible_by * tp
-    cp_size: int = 1  # parallel.context_parallel_size
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """The embedding rows for a tokenizer of ``vocab_size`` at this TP size."""
@@ -365,7 +364,7 @@ class Config:
         t = self.training
         micro = t.global_batch_size // (t.micro_batch_size * dp)
         multiple = self.model.make_vocab_size_divisible_by * tp
-        return Derived(world_size, tp, pp, dp, micro, self.model.head_dim, multiple, cp)
+        return Derived(world_size, tp, pp, dp, micro, self.model.head_dim, multiple)
 
 
 SECTIONS: dict[str, type] = get_type_hints(Config)

@@ -184,8 +184,8 @@ class BertModel(nn.Module):
         """
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         if self.cp_size > 1:  # the global positions this rank holds
-            positions = held_positions(padding_mask.shape[1], self.cp_rank, self.cp_size)[None]
-            positions = positions.to(tokens.device)
+            seq = padding_mask.shape[1]
+            positions = held_positions(seq, self.cp_rank, self.cp_size, tokens.device)[None]
         if self.pre_process and chunk == 0:
             hidden = self.embedding(tokens, positions, types)  # [b, s, h], or [b, s / tp, h]
             if self.embedding_ln is not None:

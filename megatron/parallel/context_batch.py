@@ -46,7 +46,8 @@ def split_batch(batch: Batch, state: ParallelState, model_type: str) -> Batch:
     out = {k: split_sequence(v, 1, index, size) if k in cut else v for k, v in batch.items()}
     if model_type == "bert":
         out["masked_positions"] = _local_masked_positions(batch, index, size)
-        out["holds_first_token"] = torch.tensor(float(index == 0), device=batch["text"].device)
+        # torch.full passes the value as a kernel argument: no host-to-device copy to wait for
+        out["holds_first_token"] = torch.full((), float(index == 0), device=batch["text"].device)
     return out
 
 

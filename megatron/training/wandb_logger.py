@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import asdict
 from typing import Any
 
 from megatron.atomic_file import write_contents
-from megatron.config.schema import Config
+from megatron.config.schema import Config, to_dict
 
 # In checkpoint.save: the W&B run id of every run that trains into that directory.
 RUN_ID_FILE = "wandb_run_id"
@@ -48,7 +47,7 @@ class WandbRun:
             dir=save or log.tensorboard_dir,  # None: W&B's default, ./wandb or $WANDB_DIR
             id=_run_id(save) if save else None,
             resume="allow" if save else None,
-            config=asdict(cfg),
+            config=to_dict(cfg),  # the run's own sections, as checkpoints and TensorBoard hold it
         )
         self.run.define_metric("consumed-samples", hidden=True)
         self._twins: set[str] = set()
