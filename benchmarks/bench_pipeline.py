@@ -71,7 +71,7 @@ from benchmarks.pipeline_replay import (  # noqa: E402
     transfer_delays,
     uniform,
 )
-from megatron.config.schema import ModelConfig  # noqa: E402
+from megatron.config.model import ModelConfig  # noqa: E402
 from megatron.models.transformer import TransformerLayer  # noqa: E402
 from megatron.parallel.pipeline import (  # noqa: E402
     ActivationSpec,

@@ -1,6 +1,6 @@
 """A tiny model configuration for model-level tests."""
 
-from megatron.config.schema import ModelConfig
+from megatron.config.model import ModelConfig
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

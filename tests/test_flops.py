@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.config.schema import ModelConfig
+from megatron.config.model import ModelConfig
 from megatron.estimate.flops import flops_per_iteration
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from megatron.config.model import ModelConfig
 from megatron.config.schema import TOKENIZER_FILES, Config, split_fractions, weighted_paths
 from megatron.errors import ConfigError
 
@@ -14,6 +15,7 @@ from megatron.errors import ConfigError
 _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
     model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
     model.layernorm_epsilon model.rotary_base model.num_query_groups model.kv_channels
+    model.num_experts model.moe_ffn_hidden_size model.moe_shared_expert_intermediate_size
     parallel.tensor_parallel_size parallel.pipeline_parallel_size parallel.context_parallel_size
     parallel.virtual_pipeline_size parallel.timeout_minutes
     parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
@@ -197,6 +199,91 @@ def _check_decoder(cfg: Config) -> None:
         )
 
 
+def _check_moe(cfg: Config) -> None:
+    """Mixture-of-experts options: top-k within the experts, the layer pattern, capacity, groups,
+    widths TP divides; ``moe_*`` keys only with experts to apply them to."""
+    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
+    experts = m.num_experts
+    if experts is None:
+        changed = [
+            f"model.{name}"
+            for name, value in vars(ModelConfig(1, 1, 1, 1)).items()
+            if name.startswith("moe_") and getattr(m, name) != value
+        ]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)} set but model.num_experts is null (dense MLPs); set "
+                "num_experts or remove them"
+            )
+        return
+    if not 1 <= m.moe_router_topk <= experts:
+        raise ConfigError(
+            f"model.moe_router_topk={m.moe_router_topk} must be between 1 and model.num_experts"
+            f"={experts}; fix it"
+        )
+    freq = m.moe_layer_freq
+    if isinstance(freq, list) and (len(freq) != m.num_layers or set(freq) - {0, 1}):
+        raise ConfigError(
+            f"model.moe_layer_freq={freq} must hold one 0 or 1 per layer (model.num_layers="
+            f"{m.num_layers}); give {m.num_layers} entries, or an integer k (every k-th layer)"
+        )
+    if isinstance(freq, int) and freq < 1:
+        raise ConfigError(f"model.moe_layer_freq={freq} must be at least 1 (every k-th layer)")
+    factor = m.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ConfigError(
+            f"model.moe_expert_capacity_factor={factor} must be positive; null is dropless"
+        )
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ConfigError(
+            "group-limited routing needs both model.moe_router_num_groups and "
+            "model.moe_router_group_topk (or neither); set the other"
+        )
+    if groups is not None:
+        if groups < 1 or experts % groups:
+            raise ConfigError(
+                f"model.moe_router_num_groups={groups} does not divide model.num_experts="
+                f"{experts} into equal groups; use {_divisors(experts)}"
+            )
+        if not 1 <= group_topk <= groups or m.moe_router_topk % group_topk:
+            raise ConfigError(
+                f"model.moe_router_group_topk={group_topk} must be between 1 and "
+                f"moe_router_num_groups={groups} and divide moe_router_topk={m.moe_router_topk}"
+            )
+        if m.moe_router_topk // group_topk > experts // groups:
+            raise ConfigError(
+                f"model.moe_router_topk={m.moe_router_topk} over moe_router_group_topk="
+                f"{group_topk} groups takes more experts per group than its {experts // groups}"
+            )
+    for key, width in (
+        ("moe_ffn_hidden_size", m.expert_ffn_hidden_size),
+        ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+    ):
+        if width is not None and (width < 1 or width % tp):
+            raise ConfigError(
+                f"model.{key}={width} must be positive and divisible by "
+                f"parallel.tensor_parallel_size={tp}; use {_multiples(width, tp)}"
+            )
+    if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
+        raise ConfigError(
+            "model.moe_shared_expert_gate=true gates the shared expert; set "
+            "model.moe_shared_expert_intermediate_size too"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be zero or positive")
+    if m.add_bias_linear:
+        raise ConfigError(
+            "model.add_bias_linear=true: experts carry no biases (as in Mixtral, Qwen-MoE and "
+            "DeepSeek); set add_bias_linear=false with model.num_experts (add_qkv_bias stays)"
+        )
+    if m.type == "bert":
+        raise ConfigError(
+            "model.num_experts is for GPT-family decoders (pretrain_gpt.py); BERT trains dense"
+        )
+
+
 def _check_profiling(cfg: Config) -> None:
     """Each window is [start, end] in 1-based iterations; its files go under
     logging.tensorboard_dir or checkpoint.save (``megatron.training.profiling``)."""
@@ -232,6 +319,7 @@ def check_config(cfg: Config) -> None:
             f"tensor_parallel_size={tp}; use {_multiples(m.ffn_hidden_size, tp)}"
         )
     _check_decoder(cfg)
+    _check_moe(cfg)
     _check_pipeline(cfg)
     if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
         raise ConfigError(

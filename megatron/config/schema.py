@@ -10,93 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 from typing import Any, Literal, get_type_hints
 
 import yaml
 
+from megatron.config.fields import documented as _doc
+from megatron.config.model import ModelConfig
 from megatron.errors import ConfigError
-
-
-def _doc(doc: str, default: Any = MISSING, factory: Any = MISSING) -> Any:
-    """A dataclass field whose help text lives in its metadata (read by ``config_reference``)."""
-    return field(default=default, default_factory=factory, metadata={"doc": doc})
-
-
-@dataclass
-class ModelConfig:
-    """Transformer shape and regularisation (shared by GPT and BERT)."""
-
-    num_layers: int = _doc("Transformer layers.")
-    hidden_size: int = _doc("Width of the residual stream.")
-    num_attention_heads: int = _doc("Attention heads; divisible by the TP size.")
-    seq_length: int = _doc("Tokens per training sample.")
-    type: Literal["gpt", "bert"] | None = _doc(
-        "The model this config is for; the other entrypoint refuses it. null: the entrypoint's.",
-        None,
-    )
-    max_position_embeddings: int | None = _doc(
-        "Longest sequence (the learned position table's rows, generation's limit); null: "
-        "seq_length.",
-        None,
-    )
-    ffn_hidden_size: int | None = _doc("MLP inner width; null: 4 * hidden_size.", None)
-    hidden_dropout: float = _doc("Dropout on embeddings and sublayer outputs.", 0.1)
-    attention_dropout: float = _doc("Dropout on attention probabilities.", 0.1)
-    layernorm_position: Literal["pre", "post"] = _doc("LayerNorm before or after sublayers.", "pre")
-    layernorm_epsilon: float = _doc("Epsilon of every norm (LayerNorm or RMSNorm).", 1e-5)
-    init_method_std: float = _doc("Std of the normal weight initialisation.", 0.02)
-    make_vocab_size_divisible_by: int = _doc("Vocab padded to a multiple of this times TP.", 128)
-    recompute: Literal["none", "full"] = _doc("Activation recomputation per layer.", "none")
-    activation: Literal["gelu", "gelu_tanh", "swiglu"] = _doc(
-        "MLP activation: GeLU exact (erf), GeLU's tanh approximation (released GPT-2 weights), "
-        "or swiglu, SiLU(gate) * up with fc1 the gate and up projections (Llama).",
-        "gelu",
-    )
-    position_embedding_type: Literal["learned", "rope", "none"] = _doc(
-        "Positions: a learned table added to the embeddings, rotary (RoPE, on q and k), or none.",
-        "learned",
-    )
-    rotary_base: float = _doc("RoPE theta: the base of its wavelengths (Llama 3: 500000).", 10000.0)
-    rotary_percent: float = _doc("Fraction of each head's channels RoPE rotates, in (0, 1].", 1.0)
-    rope_scaling: dict[str, float] | None = _doc(
-        "Llama 3.1's RoPE frequency scaling, {factor, low_freq_factor, high_freq_factor, "
-        "original_max_position_embeddings}; null: none.",
-        None,
-    )
-    normalization: Literal["layernorm", "rmsnorm"] = _doc(
-        "Norm kind of the layers, the final norm and the QK norms (epsilon: layernorm_epsilon).",
-        "layernorm",
-    )
-    num_query_groups: int | None = _doc(
-        "Grouped-query attention: key/value heads, each shared by heads / groups query heads "
-        "(1: multi-query); divisible by the TP size. null: one per head.",
-        None,
-    )
-    kv_channels: int | None = _doc("Head dimension; null: hidden_size / num_attention_heads.", None)
-    add_bias_linear: bool = _doc("Biases on the attention and MLP matrices (Llama: false).", True)
-    add_qkv_bias: bool = _doc("A QKV bias even when add_bias_linear is false (Qwen2).", False)
-    qk_layernorm: bool = _doc(
-        "Normalise q and k over head_dim, per head, before RoPE (Qwen3, OLMo 2).", False
-    )
-    untie_embeddings_and_output_weights: bool = _doc(
-        "GPT: an output layer of its own instead of the word embedding's transpose.", False
-    )
-    compile: bool = _doc(
-        "torch.compile each transformer layer (regional). GPU-first: on CPU it may be slower; "
-        "attention dropout > 0 splits each layer's graph at its RNG fork.",
-        False,
-    )
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head: ``kv_channels``, or hidden_size / num_attention_heads."""
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads: ``num_query_groups``, or one per attention head."""
-        return self.num_query_groups or self.num_attention_heads
 
 
 @dataclass

@@ -15,7 +15,7 @@ Megatron counts it).
 
 from __future__ import annotations
 
-from megatron.config.schema import ModelConfig
+from megatron.config.model import ModelConfig
 
 
 def flops_per_iteration(

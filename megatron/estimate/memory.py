@@ -115,7 +115,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
-from megatron.config.schema import Config, ModelConfig
+from megatron.config.model import ModelConfig
+from megatron.config.schema import Config
 from megatron.data.bert_dataset import masked_count
 from megatron.parallel.pipeline.timeline import peak_held, schedule_units
 

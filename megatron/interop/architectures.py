@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.config.schema import Config, ModelConfig
+from megatron.config.model import ModelConfig
+from megatron.config.schema import Config
 from megatron.errors import ConfigError
 from megatron.interop import bert, gpt2, llama
 from megatron.interop.mapping import Architecture

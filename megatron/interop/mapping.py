@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron.config.schema import Config, ModelConfig
+from megatron.config.model import ModelConfig
+from megatron.config.schema import Config
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.errors import ConfigError
 

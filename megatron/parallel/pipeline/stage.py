@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megatron.config.schema import ModelConfig
+from megatron.config.model import ModelConfig
 from megatron.parallel.pipeline.interleaved import interleaved_one_f_one_b
 from megatron.parallel.pipeline.p2p import ActivationSpec
 from megatron.parallel.pipeline.schedules import (
