@@ -90,3 +90,15 @@ def test_bert_losses_match_golden(corpus, tmp_path):
     run_pretrain("pretrain_bert.py", "configs/bert_tiny.yaml", overrides)
     rows = _losses(tmp_path / "metrics.jsonl", ["lm_loss", "sop_loss"])
     _compare("bert_tiny", "a 2-layer BERT (masked LM + sentence order)", rows)
+
+
+def test_moe_losses_match_golden(corpus, tmp_path):
+    """configs/moe_tiny.yaml shrunk: 4 layers (the first dense), 8 experts of width 32, top-2,
+    a shared expert of 64, auxiliary and z losses."""
+    from tests.test_moe_training import SHAPE
+
+    data = {"tokenizer": SP_MODEL, "data": corpus["gpt"]}
+    overrides = tiny_overrides(data, tmp_path, **{**SHAPE, **RUN})
+    run_pretrain("pretrain_gpt.py", "configs/moe_tiny.yaml", overrides)
+    rows = _losses(tmp_path / "metrics.jsonl", ["lm_loss", "moe_aux_loss", "moe_z_loss"])
+    _compare("moe_tiny", "a 4-layer mixture of experts (LM, auxiliary and z losses)", rows)

@@ -84,6 +84,7 @@ class GPTModel(nn.Module):
         self.transformer = TransformerStack(
             cfg, state, tracker, sequence_parallel, state.layer_ranges(cfg.num_layers, chunks)
         )
+        self.routing = self.transformer.routing  # MoE: the step's routing figures (else None)
 
     def forward(
         self,

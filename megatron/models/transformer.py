@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from megatron.models.document_mask import BlockMask, RingMask, attention
 from megatron.models.kv_cache import KVCache
+from megatron.models.moe.layer import MoELayer
+from megatron.models.moe.stats import RoutingStats
 from megatron.models.rope import RotaryEmbedding, apply_rotary
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.context_parallel import Ring, ring_attention
@@ -202,7 +204,8 @@ class TransformerLayer(nn.Module):
     ``x`` is [b, s, h], or this rank's [b, s / tp, h] with ``sequence_parallel``. ``index`` is
     the layer's global index: its initial values come from that index's stream alone
     (``RNGTracker.init_generator``). ``kv_slot``, its place in a KV cache, is ``index`` unless
-    the layer sits in a pipeline stage (which caches only its own layers).
+    the layer sits in a pipeline stage (which caches only its own layers). Its MLP is a mixture
+    of experts where ``model.moe_layers`` says so, adding its routing figures to ``routing``.
     """
 
     def __init__(
@@ -213,6 +216,7 @@ class TransformerLayer(nn.Module):
         index: int,
         sequence_parallel: bool = False,
         kv_slot: int | None = None,
+        routing: RoutingStats | None = None,
     ):
         super().__init__()
         self.pre_ln = cfg.layernorm_position == "pre"
@@ -223,7 +227,13 @@ class TransformerLayer(nn.Module):
             cfg, state, tracker, generator, kv_slot, sequence_parallel
         )
         self.ln2 = norm_layer(cfg, state, sequence_parallel)
-        self.mlp = ParallelMLP(cfg, state, generator, sequence_parallel)
+        if cfg.moe_layers[index]:
+            init, out_init = init_methods(cfg, generator)
+            self.mlp = MoELayer(
+                cfg, state, tracker, init, out_init, index, routing, sequence_parallel
+            )
+        else:
+            self.mlp = ParallelMLP(cfg, state, generator, sequence_parallel)
         self.dropout = cfg.hidden_dropout
         self.seq_group = sp.sequence_group(state, sequence_parallel)
 
@@ -289,8 +299,11 @@ class TransformerStack(nn.Module):
         chunks = chunks or [range(cfg.num_layers)]
         held = [i for chunk in chunks for i in chunk]  # global indices, in local order
         slots = {index: slot for slot, index in enumerate(held)}  # the KV cache holds these only
+        # The step's routing figures of every MoE layer (None: a dense model).
+        self.routing = RoutingStats(cfg, state, sequence_parallel) if any(cfg.moe_layers) else None
+        routing, sp_on = self.routing, sequence_parallel
         self.layers = LayerSlots(
-            {i: TransformerLayer(cfg, state, tracker, i, sequence_parallel, slots[i]) for i in held}
+            {i: TransformerLayer(cfg, state, tracker, i, sp_on, slots[i], routing) for i in held}
         )
         self.chunk_slices = [slice(slots[c[0]], slots[c[-1]] + 1) for c in chunks]
         self.final_ln = None

@@ -52,7 +52,7 @@ def split_dim(param: Tensor) -> int | None:
     return getattr(param, "tp_split_dim", None)
 
 
-def _sharded_param(
+def sharded_param(
     full_shape: tuple[int, ...],
     dim: int,
     state: ParallelState,
@@ -227,7 +227,7 @@ class ColumnParallelLinear(nn.Module):
         self.async_grad_allreduce = async_grad_allreduce and state.tp_size > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         # nn.Linear stores A transposed, [out, in], so a column split is a split of dim 0.
-        self.weight = _sharded_param((out_features, in_features), 0, state, init, device)
+        self.weight = sharded_param((out_features, in_features), 0, state, init, device)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_partition, device=device))
@@ -270,7 +270,7 @@ class RowParallelLinear(nn.Module):
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_per_partition = _divide(in_features, state.tp_size, "in_features")
         device = device or state.device
-        self.weight = _sharded_param((out_features, in_features), 1, state, init, device)
+        self.weight = sharded_param((out_features, in_features), 1, state, init, device)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         if self.bias is not None and self.sequence_parallel:
             mark_sequence_parallel(self.bias)
@@ -305,7 +305,7 @@ class VocabParallelEmbedding(nn.Module):
         per_partition = _divide(padded_vocab_size, state.tp_size, "padded_vocab_size")
         self.vocab_start = state.tp_rank * per_partition
         self.vocab_end = self.vocab_start + per_partition
-        self.weight = _sharded_param(
+        self.weight = sharded_param(
             (padded_vocab_size, dim), 0, state, init, device or state.device, valid_rows=vocab_size
         )
         self.weight.vocab_padded = True

@@ -50,6 +50,9 @@ class RNGTracker:
         self.generator = default_generator(device)
         self.tp_state: Tensor | None = None
         self.init_seed: int | None = None
+        # True while activation recomputation replays a forward (what a forward records once,
+        # such as routing statistics, is not recorded again).
+        self.recomputing = False
 
     def seed(self, seed: int, tp_rank: int) -> None:
         """Seed python, numpy and the shared generator with ``seed``; the TP state per rank; and
@@ -114,9 +117,11 @@ class RNGTracker:
         def at_recompute() -> Iterator[None]:
             current = self.tp_state
             self.tp_state = captured["tp"]
+            self.recomputing = True
             try:
                 yield
             finally:
                 self.tp_state = current
+                self.recomputing = False
 
         return at_forward(), at_recompute()

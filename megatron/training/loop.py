@@ -26,6 +26,7 @@ from megatron.checkpoint.async_save import Checkpointer
 from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
+from megatron.models.moe.stats import routing_stats
 from megatron.optim.optimizer import StepResult
 from megatron.parallel.context_batch import split_batch
 from megatron.parallel.data_parallel import DataParallel
@@ -93,6 +94,11 @@ class TrainLoop:
         """
         self.ddp.zero_grad_buffer()
         step = StepReduction(self.state)
+        routing = routing_stats(self.train.model)
+        if routing is not None:
+            routing.reset()
+            # The MoE losses' gradients: what backward multiplies the step's loss by.
+            routing.backward_scale = self._for_backward(torch.ones((), device=self.state.device))
         if self.stage is not None:
             step.add(self._pipeline_step(data), self.num_micro)
         else:
@@ -115,8 +121,11 @@ class TrainLoop:
         memory = memory_mb(self.state.device, self.train.optimizer.state_bytes()) if logged else {}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
-        result = self.train.optimizer.step(step.pack(policy.local_flags()))
-        means, flags = step.unpack(result.sums)
+        extra = None if routing is None else routing.pack()
+        result = self.train.optimizer.step(step.pack(policy.local_flags(), extra))
+        means, flags, figures = step.unpack(result.sums)
+        if routing is not None:  # the routing metrics, and the expert biases moved by them
+            means.update(routing.finish(figures, self.num_micro, self.state.replicas))
         return result, means, memory, flags
 
     def _pipeline_step(self, data: Iterator[Batch]) -> dict[str, Tensor]:
@@ -167,7 +176,8 @@ class TrainLoop:
             # The means over the replicas, and the flags of every rank, so that all stop together.
             dist.all_reduce(local)
         # The evaluation's one host sync: its means are logged now.
-        return step.unpack(local.tolist())
+        means, flags, _ = step.unpack(local.tolist())
+        return means, flags
 
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.save (if set); with

@@ -223,7 +223,7 @@ class MetricsLogger:
             "tokens/s": tokens_per_s,
             "TFLOP/s per device": tflops,
             "learning rate": lr,
-            **means,
+            **console_means(means),
             "loss scale": scale,
             "grad norm": norm,
             "skipped iterations": window.skipped,
@@ -252,6 +252,21 @@ class MetricsLogger:
             self.wandb.close()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def console_means(means: dict[str, float]) -> dict[str, Any]:
+    """``means`` for the console line: a per-layer family (``moe imbalance/layer_3``, ...) becomes
+    one field of its values in layer order, ``moe imbalance: 1.12/1.30``, where TensorBoard,
+    W&B and the metrics file keep each layer apart."""
+    fields: dict[str, Any] = {}
+    for name, value in means.items():
+        family, _, layer = name.partition("/")
+        if not layer:
+            fields[name] = value
+        else:
+            shown = f"{value:.2f}" if value != int(value) else str(int(value))
+            fields[family] = f"{fields[family]}/{shown}" if family in fields else shown
+    return fields
 
 
 def perplexity(loss: float) -> float:

@@ -36,6 +36,7 @@ class StepReduction:
         self.state = state
         self.sums: dict[str, Tensor] = {}
         self.count = 0  # micro-batches added
+        self.extra_size = 0  # figures ``pack`` appended after the metrics
 
     def add(self, metrics: dict[str, Tensor], count: int = 1) -> None:
         """``metrics``: one micro-batch's, or their sums over ``count`` micro-batches."""
@@ -43,9 +44,11 @@ class StepReduction:
             self.sums[name] = self.sums.get(name, 0.0) + value
         self.count += count
 
-    def pack(self, flags: Sequence[float]) -> Tensor:
+    def pack(self, flags: Sequence[float], extra: Tensor | None = None) -> Tensor:
         """The metrics' means over the micro-batches, counted on one rank of each replica (the
-        others add zeros), then the exit policy's ``local_flags()``, counted on every rank.
+        others add zeros), then ``extra`` (1-D fp64 figures whose own owner says who counts
+        them: the MoE layers' ``RoutingStats``), then the exit policy's ``local_flags()``,
+        counted on every rank.
 
         1-D fp64 on the device, built without waiting for it: ``torch.full`` passes the host
         flags as kernel arguments, where a copy from pageable memory would synchronise.
@@ -53,15 +56,19 @@ class StepReduction:
         values = [(v / self.count).reshape(1).to(torch.float64) for v in self.sums.values()]
         if not self.state.reports_metrics:
             values = [torch.zeros_like(v) for v in values]
+        if extra is not None:
+            values.append(extra)
+        self.extra_size = 0 if extra is None else extra.numel()
         device = self.state.device
         held = [torch.full((1,), flag, dtype=torch.float64, device=device) for flag in flags]
         return torch.cat([*values, *held])
 
-    def unpack(self, totals: Sequence[float]) -> tuple[dict[str, float], list[float]]:
+    def unpack(self, totals: Sequence[float]) -> tuple[dict[str, float], list[float], list[float]]:
         """From the world's sums of ``pack``: the metrics averaged over the replicas (the same on
-        every rank, as the log windows that checkpoints carry must be), and the flags summed
-        over ranks (for ``ExitPolicy.reason``)."""
-        metrics, flags = totals[: len(self.sums)], totals[len(self.sums) :]
+        every rank, as the log windows that checkpoints carry must be), the flags summed over
+        ranks (for ``ExitPolicy.reason``), and ``extra``'s sums."""
+        n, extra = len(self.sums), self.extra_size
+        metrics, figures, flags = totals[:n], totals[n : n + extra], totals[n + extra :]
         replicas = self.state.replicas
         means = {name: total / replicas for name, total in zip(self.sums, metrics, strict=True)}
-        return means, list(flags)
+        return means, list(flags), list(figures)
