@@ -64,13 +64,17 @@ GPT = Shape(layers=4, hidden=256, heads=8, vocab=32000, seq=256, batch=8)
 LLAMA = Shape(layers=4, hidden=256, heads=8, vocab=32000, seq=256, batch=8, groups=2, ffn=704)
 
 
-def build_ours(config: str, shape: Shape, state: ParallelState) -> nn.Module:
+def build_ours(
+    config: str, shape: Shape, state: ParallelState, extra: dict[str, object] | None = None
+) -> nn.Module:
     """Our model of ``configs/<config>.yaml`` at ``shape`` on a world of one, dropout off (the
-    plain models have none); the config's other model keys are kept (Llama's options)."""
+    plain models have none); the config's other model keys are kept (Llama's options) unless
+    ``extra`` (model keys) sets them."""
     keys = {"num_layers": shape.layers, "hidden_size": shape.hidden}
     keys |= {"num_attention_heads": shape.heads, "num_query_groups": shape.groups}
     keys |= {"ffn_hidden_size": shape.ffn, "seq_length": shape.seq}
     keys |= {"max_position_embeddings": shape.seq, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    keys |= extra or {}
     overrides = [f"model.{key}={'null' if v is None else v}" for key, v in keys.items()]
     overrides.append("parallel.tensor_parallel_size=1")
     cfg = load_config([os.path.join(ROOT, "configs", f"{config}.yaml")], overrides)

@@ -155,3 +155,26 @@ def test_counter_sees_every_kind_of_sync():
     counter.on = True
     x.tolist()
     assert counter.count == 5
+
+
+@pytest.mark.slow
+def test_moe_one_host_sync_per_iteration(gpt_data, tmp_path):
+    """A mixture of experts at TP2 with sequence parallelism, auxiliary and z losses and the
+    expert bias: routing, dispatch (the grouped GEMM, offsets on the device) and the routing
+    figures (in the step's all-reduce) add no sync."""
+    moe = {
+        "model.position_embedding_type": "rope",
+        "model.normalization": "rmsnorm",
+        "model.activation": "swiglu",
+        "model.add_bias_linear": "false",
+        "model.num_experts": 4,
+        "model.moe_ffn_hidden_size": 32,
+        "model.moe_shared_expert_intermediate_size": 64,
+        "model.moe_aux_loss_coeff": 0.01,
+        "model.moe_z_loss_coeff": 0.001,
+        "model.moe_router_enable_expert_bias": "true",
+        "parallel.tensor_parallel_size": 2,
+        "parallel.sequence_parallel": "true",
+    }
+    overrides = tiny_overrides(gpt_data, tmp_path, **{**QUIET, **moe})
+    assert run_distributed(_syncs_per_iteration, 2, "gpt", overrides) == [[1] * ITERS] * 2

@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
+from tests.distributed import run_distributed
 from tests.gpt_run import read_metrics, tiny_overrides
+from tests.test_llama_training import _generation
 from tests.test_pipeline_training import _assert_same_run, _spawn
 from tests.test_resume import metric_lines
 
@@ -105,7 +107,8 @@ def test_moe_layouts_train_like_one_process(gpt_data, tmp_path):
 def test_moe_resume_is_exact_and_checkpoints_reshard(gpt_data, tmp_path):
     """With the expert bias on (saved in checkpoints): a TP2 run stopped at iteration 10 and
     resumed writes the unbroken run's metrics lines exactly; the TP2 checkpoint of iteration 10
-    loads at TP1 and at PP2, and the next loss is within 1e-5 of the unbroken TP1 run's."""
+    loads at TP1 and at PP2, and the next loss is within 1e-5 of the unbroken TP1 run's; it
+    generates at TP1 with the KV cache as the uncached forward does."""
     saved = tmp_path / "half" / "ckpt"
     exit_at_10 = {"checkpoint.save": tmp_path / "resume" / "ckpt", "training.exit_interval": 10}
     after_10 = {"checkpoint.load": saved, "training.exit_interval": 11}
@@ -128,3 +131,7 @@ def test_moe_resume_is_exact_and_checkpoints_reshard(gpt_data, tmp_path):
         assert line["iteration"] == 11, name
         for key in ("lm_loss", "moe_aux_loss"):
             assert line[key] == pytest.approx(ref[11][key], rel=1e-5), (name, key)
+    # The TP2 checkpoint decodes at TP1: greedy tokens through the KV cache are the uncached
+    # forward's argmax at each of them.
+    for tokens, argmax in run_distributed(_generation, 1, str(saved))[0]:
+        assert tokens == argmax

@@ -96,21 +96,24 @@ class RoutingStats:
         averaged, over the micro-batches and the replicas; per layer the tokens-per-expert
         imbalance, max over mean, and the dropped assignments), and the expert biases moved."""
         n, experts = len(self.layers), self.num_experts
-        counts = torch.tensor(totals[2 : 2 + n * experts], dtype=torch.float64).view(n, experts)
+        # Host floats: the counts are exact integers in fp64.
+        counts = [totals[2 + slot * experts : 2 + (slot + 1) * experts] for slot in range(n)]
         metrics = {}
         if self.aux_on:
             metrics["moe aux loss"] = totals[0] / (micro_batches * replicas)
         if self.z_on:
             metrics["moe z loss"] = totals[1] / (micro_batches * replicas)
         for slot, index in enumerate(self.layers):
-            mean = counts[slot].mean().item()
-            metrics[f"moe imbalance/layer_{index}"] = counts[slot].max().item() / max(mean, 1e-12)
+            mean = sum(counts[slot]) / experts
+            metrics[f"moe imbalance/layer_{index}"] = max(counts[slot]) / max(mean, 1e-12)
             if self.drops:
                 metrics[f"moe dropped/layer_{index}"] = totals[2 + n * experts + slot]
         for index, router in self.routers.items():
-            step = torch.sign(counts[self.slot[index]].mean() - counts[self.slot[index]])
+            row = counts[self.slot[index]]
+            mean = sum(row) / experts
+            step = [self.bias_rate * ((c < mean) - (c > mean)) for c in row]  # rate * sign
             bias = router.expert_bias
-            bias.add_((step * self.bias_rate).to(bias.device, torch.float32, non_blocking=True))
+            bias.add_(torch.tensor(step, dtype=torch.float32).to(bias.device, non_blocking=True))
         return metrics
 
 
