@@ -50,14 +50,18 @@ MIXTRAL = Shape(layers=4, hidden=256, heads=8, vocab=32000, seq=256, batch=8, gr
 MOE = {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 256}
 
 
-def _median_pair(steps: dict, warmup: int, timed: int) -> dict[str, float]:
+def _compare(steps: dict, args: argparse.Namespace, goal: float) -> dict[str, float]:
+    """The two ``steps`` (ours first) run interleaved: each one's median ms, and their ratio."""
     times: dict[str, list[float]] = {key: [] for key in steps}
-    for i in range(warmup + timed):
-        for key, step in steps.items():  # interleaved
+    for i in range(args.warmup + args.steps):
+        for key, step in steps.items():
             ms = step()
-            if i >= warmup:
+            if i >= args.warmup:
                 times[key].append(ms)
-    return {key: statistics.median(v) for key, v in times.items()}
+    (ours, ours_ms), (other, other_ms) = ((k, statistics.median(v)) for k, v in times.items())
+    ratio = round(ours_ms / other_ms, 3)
+    return {f"{ours}_ms": round(ours_ms, 2), f"{other}_ms": round(other_ms, 2), "ratio": ratio,
+            "goal": goal}  # fmt: skip
 
 
 def _timed(fn) -> float:
@@ -86,13 +90,9 @@ def layer_row(state: ParallelState, args: argparse.Namespace) -> dict:
         name: (lambda m=m: _timed(lambda: m(x).backward(grad)))
         for name, m in (("moe", moe.train()), ("dense", dense.train()))
     }
-    ms = _median_pair(steps, args.warmup, args.steps)
     return {
         "row": "layer",
-        "moe_ms": round(ms["moe"], 2),
-        "dense_ms": round(ms["dense"], 2),
-        "ratio": round(ms["moe"] / ms["dense"], 3),
-        "goal": 1.3,
+        **_compare(steps, args, goal=1.3),
         "grouped_gemm": grouped_mm_runs(x.detach().view(-1, 256), moe.experts.fc1),
     }
 
@@ -119,13 +119,9 @@ def mixtral_row(state: ParallelState, args: argparse.Namespace) -> dict:
         "ours": make_step(lambda: ours(tokens, labels=labels).mean(), ours.train()),
         "hf": make_step(lambda: hf(input_ids=tokens, labels=tokens).loss, hf.train()),
     }
-    ms = _median_pair(steps, args.warmup, args.steps)
     return {
         "row": "mixtral",
-        "ours_ms": round(ms["ours"], 1),
-        "hf_ms": round(ms["hf"], 1),
-        "ratio": round(ms["ours"] / ms["hf"], 3),
-        "goal": 0.9,
+        **_compare(steps, args, goal=0.9),
         "params_ours": sum(p.numel() for p in ours.parameters()),
         "params_hf": sum(p.numel() for p in hf.parameters()),
     }
