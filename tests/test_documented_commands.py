@@ -267,6 +267,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     ),
     "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
     "configs/gpt_tiny.yaml": Run(append=SHORT),
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "configs/moe_tiny.yaml training.train_iters=20": Run(append=SHORT),
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80": Run(),
     "python pretrain_gpt.py --config configs/llama3_70b.yaml --dry-run --world-size 64 "
