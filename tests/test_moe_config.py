@@ -13,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE_TINY = os.path.join(ROOT, "configs", "moe_tiny.yaml")
 
 
-def refusal(*overrides: str) -> str:
+def refusal(*overrides: str, world: int = 2) -> str:
     with pytest.raises(ConfigError) as info:
-        validate(load_config([MOE_TINY], list(overrides)), 2, check_files=False)
+        validate(load_config([MOE_TINY], list(overrides)), world, check_files=False)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -64,3 +64,33 @@ def test_layer_pattern():
 )
 def test_bad_values_are_one_line_naming_the_key(overrides, key):
     assert key in refusal(*overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, key",
+    [
+        (
+            [
+                "parallel.expert_parallel_size=3",
+                "parallel.tensor_parallel_size=1",
+                "training.global_batch_size=12",
+            ],
+            3,
+            "model.num_experts=8",
+        ),  # fmt: skip
+        (["parallel.expert_parallel_size=4"], 4, "DP x CP = 2 x 1 = 2"),  # TP2: DP is 2
+        (["parallel.expert_parallel_size=2", "model.num_experts=null"], 4, "dense model"),
+    ],
+)
+def test_bad_expert_parallel_sizes_are_one_line(overrides, world, key):
+    """And (for now) checkpoints of expert-parallel runs, refused rather than written wrong."""
+    assert "checkpoint.save" in refusal("parallel.expert_parallel_size=2", world=4)
+    no_ckpt = ["checkpoint.save=null", "model.moe_layer_freq=1"]
+    if "model.num_experts=null" in overrides:  # the moe_* keys of moe_tiny would speak first
+        no_ckpt += [
+            f"model.{k}=null"
+            for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+        ]
+        no_ckpt += ["model.moe_aux_loss_coeff=0", "model.moe_z_loss_coeff=0"]
+    message = refusal(*no_ckpt, *overrides, world=world)
+    assert "parallel.expert_parallel_size" in message and key in message

@@ -215,6 +215,7 @@ def test_dropout_slice_saves_a_bool_mask_and_is_f_dropouts_slice(dtype):
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "broadcast", "reduce_scatter")
 COLLECTIVES += ("reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES += ("all_to_all_single",)
 
 
 def _full_size(name: str, args: tuple) -> int:

@@ -17,6 +17,7 @@ _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads mode
     model.layernorm_epsilon model.rotary_base model.num_query_groups model.kv_channels
     model.num_experts model.moe_ffn_hidden_size model.moe_shared_expert_intermediate_size
     parallel.tensor_parallel_size parallel.pipeline_parallel_size parallel.context_parallel_size
+    parallel.expert_parallel_size
     parallel.virtual_pipeline_size parallel.timeout_minutes
     parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
     training.train_iters training.train_samples training.eval_interval training.exit_interval
@@ -89,6 +90,12 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
     mbs, gbs = cfg.training.micro_batch_size, cfg.training.global_batch_size
     derived = cfg.derived(world_size)
+    ep, replicas = cfg.parallel.expert_parallel_size, derived.dp_size * cp
+    if replicas % ep:
+        raise ConfigError(
+            f"parallel.expert_parallel_size={ep} does not divide the DP x CP = {derived.dp_size}"
+            f" x {cp} = {replicas} ranks it is carved from; use {_divisors(replicas)}"
+        )
     dp, micro = derived.dp_size, derived.num_micro_batches
     if gbs % (mbs * dp):
         raise ConfigError(
@@ -203,7 +210,23 @@ def _check_moe(cfg: Config) -> None:
     """Mixture-of-experts options: top-k within the experts, the layer pattern, capacity, groups,
     widths TP divides; ``moe_*`` keys only with experts to apply them to."""
     m, tp = cfg.model, cfg.parallel.tensor_parallel_size
-    experts = m.num_experts
+    experts, ep = m.num_experts, cfg.parallel.expert_parallel_size
+    if experts is None and ep > 1:
+        raise ConfigError(
+            f"parallel.expert_parallel_size={ep} splits experts, and model.num_experts is null "
+            "(a dense model); set it to 1"
+        )
+    if ep > 1 and (cfg.checkpoint.save or cfg.checkpoint.load):
+        key = "checkpoint.save" if cfg.checkpoint.save else "checkpoint.load"
+        raise ConfigError(
+            f"parallel.expert_parallel_size={ep} with {key}: checkpoints of expert-parallel runs "
+            "are not written or read yet; set expert_parallel_size=1 or null the checkpoint keys"
+        )
+    if experts is not None and experts % ep:
+        raise ConfigError(
+            f"parallel.expert_parallel_size={ep} does not divide model.num_experts={experts}; "
+            f"use {_divisors(experts)}"
+        )
     if experts is None:
         changed = [
             f"model.{name}"

@@ -32,6 +32,11 @@ class ParallelConfig:
     context_parallel_size: int = _doc(
         "Ranks that split each sample's sequence (ring attention; next to TP in the grid).", 1
     )
+    expert_parallel_size: int = _doc(
+        "Ranks over which each MoE layer's experts are split, carved from the DP x CP ranks "
+        "(tokens travel to their experts by all-to-all); divides num_experts and DP x CP.",
+        1,
+    )
     virtual_pipeline_size: int | None = _doc(
         "Model chunks per stage (interleaved 1F1B); null: one chunk, plain 1F1B.", None
     )

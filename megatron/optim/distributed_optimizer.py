@@ -85,6 +85,8 @@ def _shard_pieces(
 class DistributedOptimizer(MainParamOptimizer):
     """AdamW over this DP rank's shard of ``ddp``'s buckets; see the module docstring."""
 
+    holds_whole_experts = False  # expert buckets are sharded over their own replicas
+
     def __init__(
         self, ddp: DataParallel, cfg: OptimizerConfig, scaler: GradScaler, state: ParallelState
     ):

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from megatron.config.schema import OptimizerConfig
 from megatron.errors import ConfigError
 from megatron.optim.grad_scaler import GradScaler
+from megatron.parallel.experts import is_expert
 from megatron.parallel.state import ParallelState
 
 
@@ -107,6 +108,10 @@ class MainParamOptimizer(ABC):
     reduced (``_reduce``) and how the updated values reach the model (``_copy_back``).
     """
 
+    # Whether each rank holds its experts whole (the copies over the expert-data-parallel group
+    # are alike: one counts in the norm), or a shard of them (each shard counts).
+    holds_whole_experts = True
+
     def __init__(self, cfg: OptimizerConfig, scaler: GradScaler, state: ParallelState):
         self.cfg, self.scaler, self.state = cfg, scaler, state
         self.clip_grad = cfg.clip_grad
@@ -120,8 +125,11 @@ class MainParamOptimizer(ABC):
             raise ValueError("the model has no trainable parameters")
         params = [self.model_params[i] for i in owners]
         self.main_params, self.device = mains, mains[0].device
-        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only.
+        # TP-split parameters count on every TP rank; replicated ones on TP rank 0 only; experts
+        # split over EP (other experts on each EP rank) on one copy of each, in the world's sum.
         self._split = [getattr(p, "tp_split_dim", None) is not None for p in params]
+        whole = self.holds_whole_experts and self.state.ep_size > 1
+        self._expert = [is_expert(p) and whole for p in params]
         self._counted = [counts_in_norm(p, self.state) for p in params]
         decay = [decays(self.names[i], p) for i, p in zip(owners, params)]
         # Steps applied to each main param, on the host: read without a device sync.
@@ -206,15 +214,21 @@ class MainParamOptimizer(ABC):
         present = [g for g in grads if g is not None]
         if loss_scale != 1.0:
             torch._foreach_mul_(present, 1.0 / loss_scale)
-        pairs = [
-            (g, s) for g, s, c in zip(grads, self._split, self._counted) if g is not None and c
-        ]
-        split = _squared_norm([g for g, s in pairs if s], self.device)
-        repl = _squared_norm([g for g, s in pairs if not s], self.device)
-        found = (~torch.isfinite(split + repl)).to(torch.float64).reshape(1)
+        kinds = zip(grads, self._split, self._counted, self._expert, strict=True)
+        pairs = [(g, s, e) for g, s, c, e in kinds if g is not None and c]
+        split = _squared_norm([g for g, s, e in pairs if s and not e], self.device)
+        repl = _squared_norm([g for g, s, e in pairs if not s], self.device)
+        head = [split + repl]
+        if any(self._expert):
+            experts = _squared_norm([g for g, s, e in pairs if e], self.device)
+            head = [split + repl + experts, experts * (self.state.expert_dp_rank == 0)]
+        found = (~torch.isfinite(head[0])).to(torch.float64).reshape(1)
         local = split + repl if self.state.tp_rank == 0 else split
-        summed = found if extras is None else torch.cat([found, extras.to(torch.float64)])
+        parts = [found, *(h.reshape(1).to(torch.float64) for h in head[1:])]
+        summed = torch.cat(parts if extras is None else [*parts, extras.to(torch.float64)])
         summed, squared = self._reduce(summed, local)
+        if len(head) > 1:  # the experts' squares, summed over the world (one copy each)
+            squared = squared + summed[1]
         skip = summed[0] > 0
         if self.clip_grad > 0:
             # min(1, clip / norm) in fp64 like a host-side coefficient, then fp32 like the
@@ -226,6 +240,7 @@ class MainParamOptimizer(ABC):
         self._copy_back()
         # The one host sync of a step, after its last kernel: the agreed flag, the norm, the sums.
         found_inf, *sums, squared = torch.cat([summed, squared.reshape(1)]).tolist()
+        sums = sums[len(head) - 1 :]  # the caller's
         grad_norm = math.sqrt(squared) if squared >= 0 else math.nan
         found_inf = found_inf > 0
         if not found_inf:

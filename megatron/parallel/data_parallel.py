@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megatron.parallel.experts import is_expert
 from megatron.parallel.state import ParallelState
 
 
@@ -71,6 +72,10 @@ class _Bucket:
     start: int  # offset of ``flat`` in the buffer
     numel: int  # the parameters' elements; ``flat`` may hold padding after them
     shard: slice  # this DP rank's slice of ``flat`` (all of it without shard_optimizer)
+    # The ranks holding copies of these parameters, reduced over: DP x CP, or for experts split
+    # over EP the expert-data-parallel group (None: this rank holds the only copy).
+    group: dist.ProcessGroup | None = field(default=None, repr=False)
+    average: dist.ReduceOp | None = None  # the group's AVG where it is every replica (NCCL)
     param_flat: Tensor | None = field(default=None, repr=False)  # the params' flat buffer view
     ready: int = 0  # parameters whose gradient of the last micro-batch has arrived
     # Holds a pipeline-tied parameter (the word table's copy on a stage at either end): waits
@@ -106,37 +111,44 @@ class DataParallel:
         self.params = params  # in buffer order
         self.offsets: dict[int, int] = {}  # id(param) -> its first element in the buffers
         limit = max(1, int(bucket_size_mb * 2**20) // 4)  # fp32 values per bucket
-        pad_to = self.dp_size if shard_optimizer else 1
-        spans: list[tuple[int, int, list[nn.Parameter]]] = []  # (start, numel, members)
+        # Experts split over EP reduce over their own replicas: they fill buckets of their own.
+        split = [is_expert(p) and state.ep_size > 1 for p in params]
+        copies = {False: (state.grad_group, self.dp_size, state.replica_rank)}
+        copies[True] = (state.expert_dp_group, state.expert_dp_size, state.expert_dp_rank)
+        spans: list[tuple[int, int, list[nn.Parameter], bool]] = []  # (start, numel, members, ep)
         start = numel = 0
         members: list[nn.Parameter] = []
         for i, param in enumerate(params):
             self.offsets[id(param)] = start + numel
             numel += param.numel()
             members.append(param)
-            if numel >= limit or i == len(params) - 1:
-                spans.append((start, numel, members))
+            if numel >= limit or i == len(params) - 1 or split[i + 1] != split[i]:
+                spans.append((start, numel, members, split[i]))
+                pad_to = copies[split[i]][1] if shard_optimizer else 1
                 start += -(-numel // pad_to) * pad_to  # padded, so that DP slices are equal
                 numel, members = 0, []
         self.buffer = torch.zeros(start, dtype=torch.float32, device=params[0].device)
         self.param_buffer = self._flatten_params() if shard_optimizer else None
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        owner = self.dp_rank if shard_optimizer else 0  # without sharding, all of each bucket
-        for start, numel, members in spans:
-            size = -(-numel // pad_to) * pad_to
-            part = size // pad_to
+        average = mean_op(dist.get_backend(self.group)) if self.dp_size > 1 else None
+        for start, numel, members, ep in spans:
+            group, size, rank = copies[ep]
+            pad_to, owner = (size, rank) if shard_optimizer else (1, 0)  # unsharded: all of it
+            padded = -(-numel // pad_to) * pad_to
+            part = padded // pad_to
             mine = slice(part * owner, part * (owner + 1))
-            bucket = _Bucket(self.buffer[start : start + size], members, start, numel, mine)
+            flat = self.buffer[start : start + padded]
+            bucket = _Bucket(flat, members, start, numel, mine, group=group if size > 1 else None)
+            bucket.average = None if ep else average
             bucket.held = any(getattr(p, "pipeline_tied", False) for p in members)
             if self.param_buffer is not None:
-                bucket.param_flat = self.param_buffer[start : start + size]
+                bucket.param_flat = self.param_buffer[start : start + padded]
             self.buckets.append(bucket)
             self._bucket_of.update({id(p): bucket for p in members})
         for param in params:
             offset = self.offsets[id(param)]
             param.main_grad = self.buffer[offset : offset + param.numel()].view_as(param)
-        self._avg = mean_op(dist.get_backend(self.group)) if self.dp_size > 1 else None
         self._sync = True
         self._next = 0  # index of the first bucket not yet launched this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -197,18 +209,22 @@ class DataParallel:
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.dp_size > 1:
-            op = self._avg
+            op, group = bucket.average, bucket.group
             if op is None:
-                # No AVG here (gloo): divide first (exact for power-of-two DP sizes), then SUM.
+                # No AVG here (gloo), or experts: the mean is over all DP x CP replicas, of which
+                # their group holds 1 / EP, each copy the sum over its EP group's tokens. Divide
+                # first (exact for power-of-two sizes), then SUM.
                 bucket.flat.div_(self.dp_size)
                 op = dist.ReduceOp.SUM
-            if self.shard_optimizer:
+            if group is None:
+                pass  # the only copy: nothing to reduce
+            elif self.shard_optimizer:
                 # The average lands in this rank's slice only (the output aliases the input).
                 bucket.handle = dist.reduce_scatter_single(
-                    bucket.flat[bucket.shard], bucket.flat, op=op, group=self.group, async_op=True
+                    bucket.flat[bucket.shard], bucket.flat, op=op, group=group, async_op=True
                 )
             else:
-                bucket.handle = dist.all_reduce(bucket.flat, op=op, group=self.group, async_op=True)
+                bucket.handle = dist.all_reduce(bucket.flat, op=op, group=group, async_op=True)
         bucket.launched = True
         self._next += 1
 
@@ -236,9 +252,10 @@ class DataParallel:
             return
         self.wait_param_gather()
         for b in reversed(self.buckets):
-            b.gather = dist.all_gather_single(
-                b.param_flat, b.param_flat[b.shard], self.group, async_op=True
-            )
+            if b.group is not None:
+                b.gather = dist.all_gather_single(
+                    b.param_flat, b.param_flat[b.shard], b.group, async_op=True
+                )
         if not self.overlap_param_gather:
             self.wait_param_gather()
 

@@ -18,6 +18,13 @@ With cp=2 at tp=2 (and pp=1), ranks [0 1 2 3] are one DP replica: CP groups [0 2
 split every sample's sequence; the weights are replicas over DP x CP (groups [0 2 4 6] [1 3 5 7]
 at dp=2), which the gradients are reduced over and the distributed optimizer shards over.
 
+Expert parallelism (``ep``) splits the experts of MoE layers over the DP x CP ranks of each
+(stage, TP rank) position: in replica order (DP major, CP minor) each run of ``ep`` consecutive
+replicas is an EP group, holding 1/ep of the experts each and exchanging tokens; the replicas at
+the same place in their EP groups hold copies of the same experts (the expert-data-parallel
+group, DP x CP / ep ranks), over which expert gradients are reduced. At dp=4, ep=2 (tp=pp=cp=1):
+EP groups [0 1] [2 3], expert-data-parallel groups [0 2] [1 3].
+
 A rank's place in the grid is its (DP index, stage, CP rank, TP rank). Which ranks hold copies of
 the same values (the replicas a loss is averaged over, the one rank of a replica that reports its
 metrics) is this module's to say. Peer liveness (the heartbeat) is ``megatron.launch.heartbeat``'s.
@@ -68,6 +75,12 @@ class ParallelState:
     # DP x CP: the ranks holding the same weights (same stage and TP rank), over which gradients
     # are reduced and the distributed optimizer shards. Without CP, the DP group.
     replica_group: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_rank: int = 0  # which 1/ep of each MoE layer's experts this rank holds
+    ep_group: dist.ProcessGroup | None = None  # the ranks that exchange tokens (EP > 1)
+    # The replicas holding the same experts (DP x CP / EP ranks), over which expert gradients are
+    # reduced; None where that is one rank.
+    expert_dp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -104,6 +117,16 @@ class ParallelState:
         """The model replicas that train on different data (the DP ranks): the step's losses,
         metrics and gradients are averaged over them."""
         return self.dp_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        """The replicas holding copies of this rank's experts: DP x CP / EP."""
+        return self.replica_size // self.ep_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's place among ``expert_dp_size`` (0: the copy that counts once)."""
+        return self.replica_rank // self.ep_size
 
     @property
     def reports_metrics(self) -> bool:
@@ -147,7 +170,11 @@ class ParallelState:
 
 
 def initialize(
-    tp_size: int, timeout_minutes: float = 10.0, pp_size: int = 1, cp_size: int = 1
+    tp_size: int,
+    timeout_minutes: float = 10.0,
+    pp_size: int = 1,
+    cp_size: int = 1,
+    ep_size: int = 1,
 ) -> ParallelState:
     """Start torch.distributed (nccl on CUDA, else gloo) and build the TP/CP/PP/DP groups, for a
     world that tp * cp * pp divide (the callers' config checks tell a user who asks for another).
@@ -181,14 +208,19 @@ def initialize(
                 timeout=timeout,
                 device_id=device if backend == "nccl" else None,
             )
-    return build_state(grid, rank, local_rank, device, timeout)
+    return build_state(grid, rank, local_rank, device, timeout, ep_size)
 
 
 def build_state(
-    grid: torch.Tensor, rank: int, local_rank: int, device: torch.device, timeout: timedelta
+    grid: torch.Tensor,
+    rank: int,
+    local_rank: int,
+    device: torch.device,
+    timeout: timedelta,
+    ep_size: int = 1,
 ) -> ParallelState:
     """Create every group from the ``[dp, pp, cp, tp]`` grid; each rank must create all of them,
-    in the same order (torch requires it of ``new_group``)."""
+    in the same order (torch requires it of ``new_group``). ``ep_size`` divides DP x CP."""
     dp_size, pp_size, cp_size, tp_size = grid.shape
     mine: dict[str, dist.ProcessGroup | None] = {}
     ranks: dict[str, list[int]] = {}
@@ -204,6 +236,11 @@ def build_state(
         slicings["replica"] = grid.permute(1, 3, 0, 2).reshape(-1, dp_size * cp_size)
     if pp_size > 1:
         slicings["embedding"] = grid[:, [0, -1]].permute(0, 2, 3, 1).reshape(-1, 2)
+    replicas = grid.permute(1, 3, 0, 2).reshape(pp_size * tp_size, -1, ep_size)  # [., R / ep, ep]
+    if ep_size > 1:
+        slicings["ep"] = replicas.reshape(-1, ep_size)  # consecutive replicas
+    if replicas.shape[1] > 1 and ep_size > 1:
+        slicings["expert_dp"] = replicas.transpose(1, 2).reshape(-1, replicas.shape[1])
     for name, members in slicings.items():
         for row in members.tolist():
             group = dist.new_group(row, timeout=timeout)
@@ -234,6 +271,10 @@ def build_state(
         cp_group=mine.get("cp"),
         cp_ranks=tuple(ranks.get("cp", [rank])),
         replica_group=mine.get("replica"),
+        ep_size=ep_size,
+        ep_rank=(dp_rank * cp_size + cp_rank) % ep_size,
+        ep_group=mine.get("ep"),
+        expert_dp_group=mine.get("expert_dp"),
     )
 
 

@@ -115,6 +115,7 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
             p.timeout_minutes,
             p.pipeline_parallel_size,
             p.context_parallel_size,
+            p.expert_parallel_size,
         )
         setup_logging(state.rank)
         grace = p.heartbeat_grace_s

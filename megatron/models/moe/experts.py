@@ -6,6 +6,9 @@ up)] as ``ParallelMLP``'s fc1) split by columns over TP (``tp_split_dim`` 1), ``
 split by rows (``tp_split_dim`` 2). Each TP rank runs every expert's slice over the same token
 rows; the outputs are partial sums, reduced once per MoE layer after the shared expert's are
 added. The shared expert is a dense MLP of its own width with the same split.
+
+With expert parallelism a rank holds only its EP rank's E / ep experts
+(``megatron.parallel.experts.expert_param``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megatron.models.moe.dispatch import grouped_linear
+from megatron.parallel.experts import expert_param
 from megatron.parallel.layers import InitMethod, sharded_param
 from megatron.parallel.state import ParallelState
 
@@ -35,8 +39,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.activation, h, f = cfg.activation, cfg.hidden_size, cfg.expert_ffn_hidden_size
         wide, experts = 2 * f if self.activation == "swiglu" else f, cfg.num_experts
-        self.fc1 = sharded_param((experts, wide, h), 1, state, init, state.device)
-        self.fc2 = sharded_param((experts, h, f), 2, state, out_init, state.device)
+        self.fc1 = expert_param((experts, wide, h), 1, state, init)
+        self.fc2 = expert_param((experts, h, f), 2, state, out_init)
         self.grouped: bool | None = None  # None: the grouped GEMM where it runs, else the loop
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ from megatron.models.moe.router import (
     z_loss_sum,
 )
 from megatron.models.moe.stats import RoutingStats
+from megatron.parallel import experts as expert_parallel
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.layers import InitMethod
 from megatron.parallel.mappings import (
@@ -102,7 +103,7 @@ class MoELayer(nn.Module):
         self.capacity_factor = cfg.moe_expert_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.per_sequence = cfg.moe_router_load_balancing_type == "seq_aux_loss"
-        self.tp_group, self.cp_group = state.tp_group, state.cp_group
+        self.tp_group, self.cp_group, self.ep_group = state.tp_group, state.cp_group, state.ep_group
         self.seq_group = sp.sequence_group(state, sequence_parallel)
         # The ranks a micro-batch's tokens are split over: TP under SP, times CP.
         self.token_split = (state.tp_size if self.seq_group is not None else 1) * state.cp_size
@@ -140,7 +141,12 @@ class MoELayer(nn.Module):
         total = tokens.shape[0]
         cap = dispatch.capacity(total, self.topk, self.num_experts, self.capacity_factor)
         plan = dispatch.plan(experts, weights, self.num_experts, cap)
-        rows = self.experts(dispatch.permute(tokens, plan, self.topk), plan.counts)  # [n, h]
+        rows = dispatch.permute(tokens, plan, self.topk)  # [n, h], grouped by expert
+        if self.ep_group is None:
+            rows = self.experts(rows, plan.counts)  # [n, h]
+        else:  # to the EP ranks holding the experts and back
+            held, held_counts, exchange = expert_parallel.dispatch(rows, plan.counts, self.ep_group)
+            rows = expert_parallel.combine(self.experts(held, held_counts), exchange)
         y = dispatch.unpermute(rows, plan, total * self.topk).view(total, self.topk, h)
         y = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)  # [T, h], partial over TP
         if self.shared_expert is not None:

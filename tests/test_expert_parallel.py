@@ -1,0 +1,97 @@
+"""Expert parallelism: moe_tiny with its experts split over EP ranks, through pretrain_gpt's
+``training.main`` in real gloo processes (20 iterations, fp32, no dropout, auxiliary and z losses
+on), against one process: EP 2 and 4 within DP 4, EP2 at DP2, EP2 x PP2, EP2 x TP2 (with sequence
+parallelism: the experts split over TP inside each EP rank), EP2 x CP2 (EP carved from the CP
+ranks), EP2 with the distributed optimizer, overlapped parameter gathers and recomputation. The
+LM and auxiliary losses within 1e-5 relative, gradient norms within 1e-4 (float reduction order:
+tests/test_pipeline_training.py's bounds), each layer's tokens-per-expert imbalance identical.
+
+The exchange is counted: per MoE layer one all-to-all of the counts and two of the token rows
+forward, two of the gradient rows backward, over the EP group, and no other collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.gpt_run import read_metrics
+from tests.model_config import tiny_model_config
+from tests.test_moe_training import _imbalances, _run
+from tests.test_pipeline_training import _assert_same_run, _spawn
+from tests.test_sequence_parallel import recorded_collectives
+
+EP2, EP4 = {"parallel.expert_parallel_size": 2}, {"parallel.expert_parallel_size": 4}
+LAYOUTS = {  # name: (world size, overrides)
+    "ep2": (2, EP2),
+    "ep2_cp2": (2, {**EP2, "parallel.context_parallel_size": 2}),
+    "ep2_distopt": (
+        2,
+        {
+            **EP2,
+            "parallel.distributed_optimizer": True,
+            "parallel.overlap_param_gather": True,
+            "parallel.ddp_bucket_size_mb": 0.01,
+            "model.recompute": "full",
+        },
+    ),
+    "ep4_dp4": (4, EP4),
+    "ep2_dp4": (4, EP2),
+    "ep2_pp2": (4, {**EP2, "parallel.pipeline_parallel_size": 2}),
+    "ep2_tp2": (
+        4,
+        {**EP2, "parallel.tensor_parallel_size": 2, "parallel.sequence_parallel": True},
+    ),
+}
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_train_like_one_process(gpt_data, tmp_path):
+    _spawn(1, [_run(gpt_data, tmp_path, "ref")])
+    for world in (2, 4):
+        runs = [_run(gpt_data, tmp_path, n, **o) for n, (w, o) in LAYOUTS.items() if w == world]
+        _spawn(world, runs)
+    ref = tmp_path / "ref"
+    want = read_metrics(ref / "metrics.jsonl")
+    for name in LAYOUTS:
+        _assert_same_run(tmp_path / name / "metrics.jsonl", ref / "metrics.jsonl")
+        got = read_metrics(tmp_path / name / "metrics.jsonl")
+        for key in ("moe_aux_loss", "moe_z_loss"):
+            assert [e[key] for e in got] == pytest.approx([e[key] for e in want], rel=1e-5), name
+        assert _imbalances(tmp_path / name) == _imbalances(ref), name
+
+
+def _exchange_collectives() -> tuple[list, list, int]:
+    """One EP2 MoE layer's collectives forward and backward, and the EP group's size."""
+    from megatron.models.moe.layer import MoELayer
+    from megatron.models.moe.stats import RoutingStats
+    from megatron.parallel.layers import normal_init
+    from megatron.parallel.random import RNGTracker
+    from megatron.parallel.state import initialize
+
+    st = initialize(1, ep_size=2)
+    tracker = RNGTracker(st.device)
+    tracker.seed(0, st.tp_rank)
+    cfg = tiny_model_config(
+        num_experts=4, moe_ffn_hidden_size=16, activation="swiglu", add_bias_linear=False,
+        moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+    )  # fmt: skip
+    init = normal_init(0.1, tracker.init_generator(0))
+    layer = MoELayer(cfg, st, tracker, init, init, 0, RoutingStats(cfg, st, False))
+    x = torch.randn(2, 8, 32, requires_grad=True, generator=torch.Generator().manual_seed(st.rank))
+    with recorded_collectives() as calls:
+        y = layer(x)
+        forward = [name for name, _ in calls]
+        calls.clear()
+        y.sum().backward()
+        backward = [name for name, _ in calls]
+    return forward, backward, torch.distributed.get_world_size(st.ep_group)
+
+
+@pytest.mark.slow
+def test_each_moe_layer_exchanges_twice_each_way():
+    for forward, backward, ep in run_distributed(_exchange_collectives, 2):
+        assert ep == 2
+        assert forward == ["all_to_all_single"] * 3  # the counts, the rows out, the rows back
+        assert backward == ["all_to_all_single"] * 2  # the gradients' two exchanges
