@@ -54,7 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.memory_probe import build_gpt, saved_bytes  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.config.schema import Config, padded_vocab_size  # noqa: E402
-from megatron.estimate.memory import DTYPE_BYTES, layer_activation_bytes, worst_stage  # noqa: E402
+from megatron.estimate.activations import layer_activation_bytes  # noqa: E402
+from megatron.estimate.memory import DTYPE_BYTES, worst_stage  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from megatron.config.load import load_config
 from megatron.config.schema import padded_vocab_size
 from megatron.data.bert_dataset import masked_count
-from megatron.estimate.memory import count_parameters, estimate_memory
+from megatron.estimate.memory import estimate_memory
+from megatron.estimate.parameters import count_parameters
 from megatron.models.bert import BertModel
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.parallel.random import RNGTracker

@@ -277,6 +277,13 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--gpu-memory-gb 80": Run(),
     "python pretrain_gpt.py --config configs/mistral_7b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80": Run(),
+    # docs/moe.md: the mixture-of-experts configs
+    "python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 64 "
+    "--gpu-memory-gb 80": Run(),
+    "python pretrain_gpt.py --config configs/qwen3_30b_a3b.yaml --dry-run --world-size 32 "
+    "--gpu-memory-gb 80": Run(),
+    "python pretrain_gpt.py --config configs/qwen2_57b_a14b.yaml --dry-run --world-size 64 "
+    "--gpu-memory-gb 80": Run(),
     # docs/context_parallel.md: Llama 3 8B at 32K and 128K tokens
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80 model.seq_length=32768 model.max_position_embeddings=32768 "

@@ -30,13 +30,9 @@ from megatron.config.schema import padded_vocab_size
 from megatron.data.hdf5_dataset import write_shard
 from megatron.data.indexed_dataset import IndexedDatasetWriter, data_path
 from megatron.errors import ConfigError
-from megatron.estimate.memory import (
-    GIB,
-    count_parameters,
-    estimate_memory,
-    fits,
-    layer_activation_bytes,
-)
+from megatron.estimate.activations import layer_activation_bytes
+from megatron.estimate.memory import GIB, estimate_memory, fits
+from megatron.estimate.parameters import count_parameters
 from megatron.launch.dry_run import check_indexed, dry_run
 from tests.distributed import run_distributed
 from tests.model_config import tiny_model_config

@@ -27,17 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.config.load import load_config, parse_args
 from megatron.errors import ConfigError
-from megatron.estimate.flops import flops_per_iteration
-from megatron.estimate.longest_sequence import longest_seq_length, seq_granularity, with_seq_length
-from megatron.estimate.memory import (
+from megatron.estimate.activations import (
     RING_SCORE_BLOCKS,
-    estimate_memory,
-    estimate_stages,
-    fits,
     layer_activation_bytes,
     ring_attention_bytes,
-    worst_stage,
 )
+from megatron.estimate.flops import flops_per_iteration
+from megatron.estimate.longest_sequence import longest_seq_length, seq_granularity, with_seq_length
+from megatron.estimate.memory import estimate_memory, estimate_stages, fits, worst_stage
 from megatron.launch.dry_run import dry_run
 from tests.distributed import run_distributed
 from tests.gpt_run import ROOT

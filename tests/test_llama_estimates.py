@@ -18,8 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron.config.load import load_config, parse_args
+from megatron.estimate.activations import layer_activation_bytes
 from megatron.estimate.flops import flops_per_iteration
-from megatron.estimate.memory import count_parameters, layer_activation_bytes
+from megatron.estimate.parameters import count_parameters
 from megatron.launch.dry_run import dry_run
 from megatron.launch.preflight import validate
 from megatron.models.bert import BertModel

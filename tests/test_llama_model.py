@@ -27,7 +27,8 @@ import torch
 import torch._dynamo
 
 from megatron.config.schema import padded_vocab_size
-from megatron.estimate.memory import count_parameters, layer_activation_bytes, stage_parameters
+from megatron.estimate.activations import layer_activation_bytes
+from megatron.estimate.parameters import count_parameters, stage_parameters
 from megatron.inference.generation import generate
 from megatron.models import document_mask, gpt
 from megatron.models.bert import BertModel

@@ -24,12 +24,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.config.load import load_config
 from megatron.config.schema import padded_vocab_size
-from megatron.estimate.memory import (
-    count_parameters,
-    estimate_memory,
-    layer_activation_bytes,
-    memory_table,
-)
+from megatron.estimate.activations import layer_activation_bytes
+from megatron.estimate.memory import estimate_memory, memory_table
+from megatron.estimate.parameters import count_parameters
 from megatron.training.metrics import MB
 from tests.gpt_run import read_metrics, run_pretrain, tiny_overrides
 from tests.test_estimate import SP_VOCAB, _dry

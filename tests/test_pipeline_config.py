@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from megatron.config.load import load_config, parse_args
 from megatron.config.schema import padded_vocab_size
-from megatron.estimate.memory import GIB, estimate_stages, stage_parameters, worst_stage
+from megatron.estimate.memory import GIB, estimate_stages, worst_stage
+from megatron.estimate.parameters import stage_parameters
 from megatron.launch.dry_run import dry_run
 from megatron.parallel.pipeline import (
     ActivationSpec,

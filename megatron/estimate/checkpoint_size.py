@@ -11,7 +11,8 @@ and each rank's RNG states (tens of KiB).
 from __future__ import annotations
 
 from megatron.config.schema import Config
-from megatron.estimate.memory import DTYPE_BYTES, ModelType, stage_parameters
+from megatron.estimate.memory import DTYPE_BYTES
+from megatron.estimate.parameters import ModelType, stage_parameters
 
 
 def checkpoint_bytes(cfg: Config, padded_vocab_size: int, model_type: ModelType = "gpt") -> int:

@@ -7,7 +7,8 @@ import math
 from dataclasses import replace
 
 from megatron.config.schema import Config
-from megatron.estimate.memory import ModelType, fits, worst_stage
+from megatron.estimate.memory import fits, worst_stage
+from megatron.estimate.parameters import ModelType
 
 
 def seq_granularity(cfg: Config) -> int:

@@ -1,22 +1,7 @@
-"""Parameter count and per-GPU training memory of a config, from formulas (no model is built).
+"""Per-GPU training memory of a config, from formulas (no model is built).
 
-Notation: L layers, h hidden, f ffn hidden, a heads, g query groups (``num_query_groups``,
-default a), d head dim (``kv_channels``, default h/a), s sequence, b micro-batch, V padded vocab,
-P position rows, t tensor-parallel size, e bytes per element of the model dtype; f' = 2f with
-SwiGLU (fc1 holds the gate and up projections), else f; n(x) = 2x for a LayerNorm over x, x for
-an RMSNorm. With the defaults (g = a, d = h/a, f' = f, LayerNorm) the formulas are GPT-2's.
-
-**Parameters** (biases, in brackets, with ``add_bias_linear``; QKV's also with ``add_qkv_bias``):
-
-    per layer   split over t:  qkv (a + 2g)d*h [+ (a + 2g)d], dense h*a*d, fc1 f'*h [+ f'], fc2 h*f
-                replicated:    dense and fc2 biases [2h], two norms 2n(h), QK norms 2n(d)
-    embeddings  word V*h (split by vocab, and the tied LM head), position P*h (learned only,
-                replicated)
-    final norm  n(h) (pre-LN only; post-LN ends in a layer's own norm)
-    output      V*h (split by vocab), with ``untie_embeddings_and_output_weights``
-    BERT adds   token types T*h, LM head dense h*h + h, norm n(h), output bias V (split),
-                with post-LN the embedding norm n(h) (original BERT's; pre-LN has none),
-                and with a binary head (sop/nsp) the pooler h*h + h and the classifier 2h + 2
+Parameters come from megatron/estimate/parameters.py, activations per layer from
+megatron/estimate/activations.py (notation there: e bytes per element of the model dtype).
 
 **Memory** of our implementation, per parameter held by this GPU: e bytes of weights, 4 of
 fp32 ``main_grad`` (megatron/parallel/data_parallel.py keeps it for every parameter), 4 of fp32
@@ -28,42 +13,11 @@ adds under d elements per bucket): (4 + 8)/d bytes per parameter, the main copy 
 flat copy of the owned elements); weights and the whole fp32 gradient buffer stay on every rank,
 as in Megatron's. With context parallelism d is DP x CP (the CP ranks hold replicas too).
 
-**Activations** per micro-batch start from Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", eq. 2: with 16-bit activations, 1-byte dropout masks
-and f = 4h, one layer stores ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes (34 + 5as/h at t = 1).
-The 10 are replicated (the inputs of both LayerNorms, of QKV and of fc1: 4 tensors; 2 dropout
-masks), the 24/t are split by head or by ffn column (q, k, v, the dense input, fc1's output and
-GeLU's output: s*b*(4h + 2f) elements), and 5as/(ht) are the attention probabilities, their
-dropout mask and the dropped probabilities. Here elements are scaled by e, masks are dropped when
-their dropout is 0, and each LayerNorm adds its fp32 mean and rstd (8*s*b). Our attention calls
-``scaled_dot_product_attention``, whose fused CUDA kernels (flash on sm80+, memory-efficient
-elsewhere) store no probabilities: they keep their output (the dense layer's input, counted
-above) and the fp32 log-sum-exp (4*a*s*b/t), and recompute the rest in backward. That is the
-figure the fit uses; the 5as/h term (what unfused attention, e.g. the CPU math path with
-dropout, would add) is reported apart.
-The decoder options change the split terms: q, k, v and the dense input are (a + 2g)d + a*d
-elements (the fused QKV output, which v keeps alive, and the dense input), RoPE and QK norms
-make q and k new tensors ((a + g)d more; where a rank holds several groups of several heads, q
-is a copy, a*d, kept unless RoPE alone reads it), QK norms add their statistics per head, and
-SwiGLU keeps fc1's 2f outputs, SiLU's f and the product's f (4f where GeLU keeps 2f). An RMSNorm
-keeps its input and an fp32 rstd (4*s*b: the fused kernel torch runs on CUDA). RoPE's cos and
-sin (2*e*s*b*rot, rot = d * rotary_percent) are shared by a chunk's layers.
-With full recomputation a layer keeps only its input (e*s*b*h, replicated) and backward rebuilds
-one layer's working set at a time: L*e*s*b*h + one layer. Outside the layers: the embedding
-dropout mask, the final hidden states (the LM head's input; BERT's pooler keeps them through
-its [CLS] view, so BERT without a binary head frees them), with pre-LN the final LayerNorm's
-input and statistics; for BERT with post-LN the embedding LayerNorm's input and statistics
-instead, its MLM head's dense, GeLU, LayerNorm and logit-matmul inputs and LayerNorm statistics,
-and the pooled [CLS] (e*b*h).
-
-**Sequence parallelism** (``parallel.sequence_parallel``) splits along the sequence over the t TP
-ranks the LayerNorm, dropout and residual activations: in each layer both LayerNorms' inputs,
-the dropout masks and the statistics, s*b*h*(2e + masks) + 16*s*b bytes; the layer input that
-full recomputation keeps; and outside the layers the embedding dropout mask and the LayerNorm
-input and statistics. The inputs of QKV and fc1 (2e*s*b*h) stay whole: the column-parallel
-layer all-gathers its input and keeps the gathered copy for its weight gradient (Korthikanti et
-al.'s s*b*h*(34/t + 5as/(ht)) assumes it is gathered again in backward instead). So do the
-final hidden states: the loss path gathers them for the LM head (and BERT's pooler).
+**Mixture of experts**: the experts' weights, gradients and optimizer state are per parameter as
+the dense ones (every TP rank holds its f_e/t slice of every expert: no expert parallelism). The
+router's ``expert_bias`` buffers (``moe_router_enable_expert_bias``), fp32 [E] per MoE layer of
+the stage, stay for the run; one MoE layer's dispatch buffers (``moe_dispatch_bytes``) are
+transient and counted once, as ring attention's are.
 
 **Pipeline parallelism** (``parallel.pipeline_parallel_size`` p, ``virtual_pipeline_size`` v) gives
 stage s of p its L/p layers (interleaved: v chunks of L/(p*v), chunk c being virtual stage c*p + s);
@@ -79,22 +33,6 @@ recomputation, their inputs), the first chunk's embedding-side terms, the last c
 terms, and every other chunk its output (e*s*b*h, the tensor sent on), which the schedule keeps
 until the backward. The logits are the last stage's, the tied embedding's ``.grad`` the first's and
 the last's. m micro-batches per step, p > 1: the bubble is (p - 1)/(m*v) of the busy time.
-
-**Context parallelism** (``parallel.context_parallel_size`` c > 1) cuts each sample's s tokens
-into 2c chunks and gives each CP rank two of them (chunks i and 2c - 1 - i, for causal balance):
-s/c tokens. Every term above that counts tokens counts those s/c (with sequence parallelism,
-s/(c*t) where it splits): the layers' activations, the layer inputs recomputation keeps, RoPE's
-cos and sin, the embedding- and head-side terms, the tensors the pipeline sends and GPT's
-logits (BERT's head runs on all b*n masked slots on every CP rank, the other ranks' as dummies).
-Ring attention saves what the fused kernel saves (q, k, v, its output and the fp32
-log-sum-exp, of the local tokens), so the per-layer count is the fused one at s/c: its output
-is laid out [b, s/c, a/t, d] in memory, so the dense layer's input is a view of it. It never
-materialises the probabilities (no unfused extra). Its transient buffers, one layer's at a
-time and counted once in the total (``ring_attention_bytes``): two K/V messages
-[2, b, g/t, s/c, d] in flight, fp32 dK/dV accumulators of that shape, fp32 query-sized buffers
-(dq and others) and ``RING_SCORE_BLOCKS`` fp32 score blocks [b, a/t, s/2c, s/2c], which grow as
-(s/c)^2 and dominate at long sequences. Weights, gradients and (but for the distributed
-optimizer's shards) optimizer state are replicated over CP.
 
 **Head tokens**: GPT's LM head sees all b*s tokens; BERT's runs on the masked ones only,
 b*n with n = masked_count(s - 3) (every token but [CLS] and two [SEP] maskable: the most a
@@ -113,11 +51,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
 
-from megatron.config.model import ModelConfig
 from megatron.config.schema import Config
 from megatron.data.bert_dataset import masked_count
+from megatron.estimate.activations import (
+    layer_activation_bytes,
+    moe_dispatch_bytes,
+    norm_stats,
+    ring_attention_bytes,
+)
+from megatron.estimate.parameters import ModelType, ParamCount, stage_layers, stage_parameters
 from megatron.parallel.pipeline.timeline import peak_held, schedule_units
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -125,197 +68,6 @@ GIB = 2**30
 # Memory the estimate leaves unclaimed: CUDA context and kernels, NCCL buffers, allocator
 # fragmentation and short-lived temporaries the formulas do not list.
 RESERVED_FRACTION = 0.10
-
-ModelType = Literal["gpt", "bert"]
-# fp32 score blocks [b, a/t, s/2c, s/2c] ring attention's backward holds at its peak: it works
-# pair by pair (dropping each pair's before the next), and a pair holds its probabilities p,
-# their gradient dp, dp - delta and the scores' gradient ds.
-RING_SCORE_BLOCKS = 4
-
-
-@dataclass(frozen=True)
-class ParamCount:
-    """Parameters of the whole model at one TP size: split across TP ranks, or whole on each."""
-
-    tp_size: int
-    split: int  # held in 1/tp slices, one per TP rank (word embedding padded for this tp)
-    replicated: int  # held whole by every TP rank (LayerNorms, row-parallel biases, positions)
-
-    @property
-    def total(self) -> int:
-        """Every parameter of the model, counted once."""
-        return self.split + self.replicated
-
-    @property
-    def per_gpu(self) -> int:
-        """Parameters one GPU holds: its slice of the split ones and all replicated ones."""
-        return self.split // self.tp_size + self.replicated
-
-
-def _norm(model: ModelConfig, dim: int) -> int:
-    """Parameters of one norm over ``dim``: weight and bias (LayerNorm), or weight (RMSNorm)."""
-    return 2 * dim if model.normalization == "layernorm" else dim
-
-
-def _norm_stats(model: ModelConfig) -> int:
-    """Bytes a norm keeps per normalised vector: fp32 mean and rstd (LayerNorm), or rstd."""
-    return 8 if model.normalization == "layernorm" else 4
-
-
-def _projections(model: ModelConfig) -> tuple[int, int, int]:
-    """Output widths of QKV ((a + 2g)d), of the attention (a*d, the dense input) and of fc1."""
-    heads, d = model.num_attention_heads, model.head_dim
-    fc1 = 2 * model.ffn_hidden_size if model.activation == "swiglu" else model.ffn_hidden_size
-    return (heads + 2 * model.query_groups) * d, heads * d, fc1
-
-
-def layer_parameters(model: ModelConfig) -> tuple[int, int]:
-    """(split over TP, replicated) parameters of one transformer layer."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    qkv, attn, fc1 = _projections(model)
-    bias = model.add_bias_linear
-    split = qkv * h + h * attn + fc1 * h + h * f
-    split += (qkv if bias or model.add_qkv_bias else 0) + (fc1 if bias else 0)
-    replicated = (2 * h if bias else 0) + 2 * _norm(model, h)
-    if model.qk_layernorm:
-        replicated += 2 * _norm(model, model.head_dim)
-    return split, replicated
-
-
-def count_parameters(
-    model: ModelConfig,
-    padded_vocab_size: int,
-    tp_size: int,
-    model_type: ModelType = "gpt",
-    num_tokentypes: int = 2,
-    binary_head: bool = True,
-) -> ParamCount:
-    """The parameters of GPT (or BERT) with this shape; ``model`` must be resolved (ffn set)."""
-    return stage_parameters(
-        model, padded_vocab_size, tp_size, 1, 0, model_type, num_tokentypes, binary_head
-    )
-
-
-def stage_parameters(
-    model: ModelConfig,
-    padded_vocab_size: int,
-    tp_size: int,
-    pp_size: int,
-    stage: int,
-    model_type: ModelType = "gpt",
-    num_tokentypes: int = 2,
-    binary_head: bool = True,
-) -> ParamCount:
-    """The parameters pipeline stage ``stage`` of ``pp_size`` holds (see the module docstring):
-    its num_layers / pp layers, the embeddings on the first stage, the final LayerNorm and heads
-    on the last, which with pp > 1 holds its own copy of the word embedding for the tied head
-    (or the untied output layer, at any pp)."""
-    h, v = model.hidden_size, padded_vocab_size
-    layers = model.num_layers // pp_size
-    first, last = stage == 0, stage == pp_size - 1
-    layer_split, layer_replicated = layer_parameters(model)
-    split, replicated = layers * layer_split, layers * layer_replicated
-    if first:
-        split += v * h
-        if model.position_embedding_type == "learned":
-            replicated += model.max_position_embeddings * h
-        if model_type == "bert":
-            replicated += num_tokentypes * h
-            if model.layernorm_position == "post":
-                replicated += _norm(model, h)  # the embedding norm
-    if last:
-        if pp_size > 1 or model.untie_embeddings_and_output_weights:
-            split += v * h  # the tied LM head's own copy of the word embedding, or the untied one
-        if model.layernorm_position == "pre":
-            replicated += _norm(model, h)
-        if model_type == "bert":
-            split += v  # the LM head's output bias, split by vocabulary like the logits
-            replicated += (h * h + h) + _norm(model, h)
-            if binary_head:
-                replicated += (h * h + h) + (2 * h + 2)
-    return ParamCount(tp_size, split, replicated)
-
-
-def layer_activation_bytes(
-    model: ModelConfig,
-    micro_batch_size: int,
-    tp_size: int,
-    elem_bytes: int,
-    fused_attention: bool = True,
-    sequence_parallel: bool = False,
-    context_parallel: int = 1,
-) -> int:
-    """Bytes one transformer layer stores for backward (see the module docstring).
-
-    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities
-    (of this rank's queries against the whole sequence); ``sequence_parallel`` splits the
-    LayerNorm inputs, dropout masks and statistics over the TP ranks; ``context_parallel`` (c)
-    leaves each rank s/c tokens of every sample, so every term counts those.
-    """
-    s, b, h = model.seq_length // context_parallel, micro_batch_size, model.hidden_size
-    f, d = model.ffn_hidden_size, model.head_dim
-    a, g = model.num_attention_heads, model.query_groups
-    hidden_masks = 2 if model.hidden_dropout > 0 else 0
-    stats = _norm_stats(model)
-    # The norms' inputs (the residual stream), the dropout masks and the statistics; then
-    # the inputs of QKV and fc1, which the column-parallel layers keep whole (gathered).
-    sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + 2 * stats * s * b
-    column_inputs = 2 * s * b * h * elem_bytes
-    qkv, attn, _ = _projections(model)
-    rope = model.position_embedding_type == "rope"
-    # q reshaped from several groups is a copy, kept by what reads it unless that is RoPE.
-    copied_q = g // tp_size > 1 and a > g and (model.qk_layernorm or not rope)
-    kept = qkv + attn + (a + g) * d * (rope or model.qk_layernorm) + a * d * copied_q
-    kept += (4 if model.activation == "swiglu" else 2) * f
-    split = s * b * kept * elem_bytes
-    if model.qk_layernorm:
-        split += stats * s * b * (a + g)  # per head of q and k
-    if fused_attention:
-        split += 4 * a * s * b  # the log-sum-exp; the output is the dense input, counted above
-    else:
-        dropped = (1 + elem_bytes) if model.attention_dropout > 0 else 0  # mask, dropped copy
-        split += a * s * model.seq_length * b * (elem_bytes + dropped)
-    if sequence_parallel:
-        sequence_split = -(-sequence_split // tp_size)
-    return sequence_split + column_inputs + -(-split // tp_size)
-
-
-class RingBuffers(NamedTuple):
-    """Transient bytes of one layer's ring attention at its peak, in backward."""
-
-    kv: int  # 2 K/V messages [2, b, g/t, s/c, d], model dtype: the one in hand, the one arriving
-    dkv: int  # fp32 dK/dV accumulators of that shape: 2 at CP 2, else 4
-    working: int  # fp32 [b, a/t, s/c, d] buffers (dq, a pair's products, 16-bit q/dout copies)
-    scores: int  # RING_SCORE_BLOCKS fp32 blocks [b, a/t, s/2c, s/2c]
-
-    @property
-    def total(self) -> int:
-        return self.kv + self.dkv + self.working + self.scores
-
-
-def ring_attention_bytes(
-    model: ModelConfig, micro_batch_size: int, tp_size: int, elem_bytes: int, context_parallel: int
-) -> RingBuffers:
-    """What one layer's ring attention (megatron/parallel/context_parallel.py) holds besides its
-    saved tensors, at its peak, the backward, at CP c > 1 (nothing at c = 1).
-
-    A message packs k and v, [2, b, g/t, s/c, d] in the model dtype; two are alive (the block
-    computed on and the one arriving). Each block's dK/dV accumulator is fp32 of that shape: the
-    rank's own, the one being filled, and from CP 3 on the one being sent and the one being
-    received. The fp32 [b, a/t, s/c, d] buffers: dq, one pair's two matmul products (one in all)
-    and, with a 16-bit dtype, q's and dout's fp32 copies; plus delta, fp32 [b, a/t, s/c]. The
-    scores: ``RING_SCORE_BLOCKS`` fp32 blocks [b, a/t, s/2c, s/2c].
-    """
-    if context_parallel == 1:
-        return RingBuffers(0, 0, 0, 0)
-    s, b, d = model.seq_length // context_parallel, micro_batch_size, model.head_dim
-    heads = model.num_attention_heads // tp_size
-    message = 2 * b * (model.query_groups // tp_size) * s * d
-    accumulators = 2 if context_parallel == 2 else 4
-    queries = 2 + 2 * (elem_bytes != 4)
-    working = 4 * b * heads * s * (queries * d + 1)
-    scores = RING_SCORE_BLOCKS * 4 * b * heads * (s // 2) ** 2
-    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, scores)
 
 
 @dataclass(frozen=True)
@@ -337,16 +89,20 @@ class MemoryEstimate:
     in_flight: int = 1  # micro-batch chunks whose activations the stage holds at its peak
     # CP > 1: ring attention's K/V messages, dK/dV accumulators and scores, one layer's, transient
     ring_attention: int = 0
+    expert_bias: int = 0  # MoE: the routers' fp32 expert_bias buffers [E] of the stage's layers
+    moe_dispatch: int = 0  # MoE: one layer's dispatch buffers (two [T*k, h]), transient
 
     @property
     def states(self) -> int:
-        """Weights, gradients and optimizer state: the bytes that stay for the whole run."""
-        return self.weights + self.main_grads + self.main_params + self.adam_moments
+        """Weights, gradients, optimizer state and buffers: the bytes that stay for the run."""
+        optimizer = self.main_params + self.adam_moments
+        return self.weights + self.main_grads + optimizer + self.expert_bias
 
     def total_with(self, recompute: bool) -> int:
         """Peak bytes with or without full activation recomputation."""
         activations = self.activations_recompute if recompute else self.activations_no_recompute
-        return self.states + self.embedding_grad + activations + self.logits + self.ring_attention
+        transient = self.ring_attention + self.moe_dispatch
+        return self.states + self.embedding_grad + activations + self.logits + transient
 
     @property
     def total(self) -> int:
@@ -372,7 +128,7 @@ def estimate_memory(
     e = DTYPE_BYTES[cfg.precision.dtype]
     binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
     heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
-    stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads)
+    stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads, chunks)
     params = stage_params.per_gpu
     # The parameters whose fp32 main copy and moments this rank holds (sharded over DP x CP).
     owned = -(-params // (dp_size * cp)) if cfg.parallel.distributed_optimizer else params
@@ -388,7 +144,7 @@ def estimate_memory(
 
     # Outside the layers (the module docstring's terms): the first stage's, then the last's; what
     # sequence parallelism splits first, then the final hidden states, whole, and BERT's heads.
-    stats = _norm_stats(m)
+    stats = norm_stats(m)
     layernorm = e * sbh + stats * tokens
     embedding_side = (1 if m.hidden_dropout > 0 else 0) * sbh
     if model_type == "bert" and m.layernorm_position == "post":
@@ -401,20 +157,29 @@ def estimate_memory(
         head_side += 4 * e * head_tokens * m.hidden_size + stats * head_tokens
     if binary_head:
         head_side += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
-    layer = layer_activation_bytes(m, b, tp, e, sequence_parallel=sp, context_parallel=cp)
+    # One layer's activations, dense or MoE (``model.moe_layers`` says which layer is which).
+    layer = {
+        moe: layer_activation_bytes(m, b, tp, e, sequence_parallel=sp, context_parallel=cp, moe=moe)
+        for moe in set(m.moe_layers) | {False}
+    }
     # Ring attention (CP > 1) never materialises the probabilities.
-    unfused = layer_activation_bytes(m, b, tp, e, False, sp) if cp == 1 else layer
+    unfused = layer_activation_bytes(m, b, tp, e, False, sp) if cp == 1 else layer[False]
     layer_input = seq_split(e * sbh)  # what full recomputation keeps
+    is_moe = m.moe_layers
     chunk_layers = m.num_layers // (pp * chunks)
+    mine = stage_layers(m.num_layers, pp, chunks, stage)  # chunk c: mine[c*n:(c+1)*n]
+    moe_layers_held = sum(is_moe[i] for i in mine)
     # RoPE's cos and sin, made once per chunk's forward for its layers
     rope = 2 * e * tokens * int(m.head_dim * m.rotary_percent)
     rope *= m.position_embedding_type == "rope"
 
-    def held(per_layer: int) -> list[int]:
-        """Bytes one micro-batch holds on each of this stage's chunks until its backward."""
+    def held(per_layer: dict[bool, int]) -> list[int]:
+        """Bytes one micro-batch holds on each of this stage's chunks until its backward, with
+        ``per_layer`` bytes in each dense (False) and MoE (True) layer."""
         out = []
         for c in range(chunks):
-            n = chunk_layers * per_layer + rope
+            indices = mine[c * chunk_layers : (c + 1) * chunk_layers]
+            n = sum(per_layer[is_moe[i]] for i in indices) + rope
             n += seq_split(embedding_side) if first and c == 0 else 0
             # The loss chunk ends the micro-batch; every other chunk's schedule keeps its output
             # (the tensor sent on, [s, b, h]) until its backward.
@@ -432,14 +197,18 @@ def estimate_memory(
         adam_moments=8 * owned,
         embedding_grad=e * vocab_local * m.hidden_size if (first or last) and tied else 0,
         activations_no_recompute=peak_held(units, held(layer)),
-        activations_recompute=peak_held(units, held(layer_input)) + layer,
-        unfused_attention_extra=unfused - layer,
+        # the inputs, then the working set of the stage's largest layer, rebuilt in backward
+        activations_recompute=peak_held(units, held(dict.fromkeys(layer, layer_input)))
+        + max(layer[is_moe[i]] for i in mine),
+        unfused_attention_extra=unfused - layer[False],
         logits=(e + 4) * head_tokens * vocab_local if last else 0,
         recompute=m.recompute == "full",
         params=stage_params,
         stage=stage,
         in_flight=peak_held(units, [1] * chunks),
         ring_attention=ring_attention_bytes(m, b, tp, e, cp).total,
+        expert_bias=4 * m.num_experts * moe_layers_held if m.moe_router_enable_expert_bias else 0,
+        moe_dispatch=moe_dispatch_bytes(m, b, e, cp) if moe_layers_held else 0,
     )
 
 

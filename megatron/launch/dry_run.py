@@ -5,7 +5,8 @@ size; opens every tokenizer and data file (headers, sizes, and that no token id 
 vocabulary: the check training runs before step 1, megatron/data/token_range.py, reading its cached
 result, or sampling evenly spaced blocks when the data is huge and not yet cached; for hdf5 shards,
 also that each split holds the samples the run draws from it) and the paths it writes; then
-reports the parameters, the per-GPU memory by kind (formulas in megatron/estimate/memory.py), the
+reports the parameters (total and, with experts, active), the per-GPU memory by kind (formulas in
+megatron/estimate/memory.py, parameters.py and activations.py), the
 FLOPs per iteration, a checkpoint's size (warning when checkpoint.save lacks room for two), and
 whether the run fits in ``--gpu-memory-gb`` (and the longest ``model.seq_length`` that would at
 this layout). A file that does not exist here (the data may live on the cluster only) is named
@@ -30,22 +31,20 @@ from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids
 from megatron.errors import ConfigError
+from megatron.estimate.activations import RING_SCORE_BLOCKS, ring_attention_bytes
 from megatron.estimate.checkpoint_size import checkpoint_bytes
 from megatron.estimate.longest_sequence import longest_seq_length, seq_granularity
 from megatron.estimate.memory import (
     DTYPE_BYTES,
     GIB,
     RESERVED_FRACTION,
-    RING_SCORE_BLOCKS,
     MemoryEstimate,
-    ModelType,
-    count_parameters,
     estimate_stages,
     fits,
-    ring_attention_bytes,
     usable_bytes,
     worst_stage,
 )
+from megatron.estimate.parameters import ModelType, count_parameters, stage_layers
 from megatron.launch.preflight import validate
 from megatron.parallel.pipeline.timeline import ideal_bubble
 from megatron.training.metrics import Workload
@@ -165,6 +164,7 @@ def _report_memory(
     if pp > 1:
         _report_stages(cfg, stages, mem.stage, out)
     dtype, e = cfg.precision.dtype, DTYPE_BYTES[cfg.precision.dtype]
+    moe, shared = any(m.moe_layers), m.moe_shared_expert_intermediate_size
     configured = {True: "   <- model.recompute=full", False: "   <- model.recompute=none"}
     shards = f"DP {dp_size}" if cp == 1 else f"DPxCP {dp_size * cp}"
     if cfg.parallel.distributed_optimizer:
@@ -182,14 +182,23 @@ def _report_memory(
         (f"activations, no recomputation{sp}", mem.activations_no_recompute, ""),
         (f"activations, full recomputation{sp}", mem.activations_recompute, ""),
         *([("ring attention buffers (one layer, transient)", mem.ring_attention, "")] * (cp > 1)),
+        *([("MoE dispatch buffers (one layer, transient)", mem.moe_dispatch, "")] * moe),
+        *([("router expert_bias buffers (fp32)", mem.expert_bias, "")] * (mem.expert_bias > 0)),
         ("total, no recomputation", mem.total_with(False), configured[False] * (not mem.recompute)),
         ("total, full recomputation", mem.total_with(True), configured[True] * mem.recompute),
     ]
-    total = count_parameters(m, padded_vocab, tp, *heads).total
+    whole = count_parameters(m, padded_vocab, tp, *heads)
     where = f"on stage {mem.stage} (the worst) " if pp > 1 else ""
     local = f" ({m.seq_length // cp} tokens on each of CP {cp} ranks)" if cp > 1 else ""
+    if moe:
+        out.write(
+            f"experts: {m.num_experts} routed of width {m.expert_ffn_hidden_size}, top "
+            f"{m.moe_router_topk}, in {sum(m.moe_layers)} of {m.num_layers} layers"
+            + (f", shared expert of width {shared}" if shared else "")
+            + f"; {whole.active:,} parameters active per token of {whole.total:,}\n"
+        )
     out.write(
-        f"parameters: {total:,} total; {mem.params.per_gpu:,} per GPU {where}at TP {tp} "
+        f"parameters: {whole.total:,} total; {mem.params.per_gpu:,} per GPU {where}at TP {tp} "
         f"({mem.params.split:,} split {tp} ways, {mem.params.replicated:,} replicated)\n"
         f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}{local}, e = {e} bytes per "
         "element:\n"
@@ -225,6 +234,16 @@ def _report_memory(
             f" scores\n    [b, a/t, s/2cp, s/2cp] x {RING_SCORE_BLOCKS}"
             f" {ring.scores / GIB:.2f} GiB; the totals count them once.\n"
         )
+    if moe:
+        out.write(
+            "  MoE layers (megatron/estimate/activations.py) keep, instead of the dense MLP's\n"
+            "    fc1 and activation outputs, for T = b*s tokens: the fp32 router scores (and\n"
+            "    logits with the z-loss; T/t tokens under sequence parallelism), the permuted\n"
+            "    rows, fc2's output rows and their unpermuted copy (3*e*T*k*h, whole on every TP\n"
+            "    rank), the experts' SwiGLU terms (e*T*k*4*f_e/t), the routing weights and int64\n"
+            "    indices, and the shared expert as a dense MLP of its width; dropless: T*k rows\n"
+            "    through the experts per layer.\n"
+        )
     if pp > 1:
         out.write(
             f"  pipeline: this stage holds {mem.in_flight} micro-batch chunk(s) in flight (1F1B:\n"
@@ -246,9 +265,8 @@ def _report_memory(
 
 def _stage_layers(num_layers: int, pp: int, chunks: int, stage: int) -> str:
     """The layers of ``stage``: chunk c is virtual stage c * pp + stage, e.g. '0-5, 12-17'."""
-    n = num_layers // (pp * chunks)
-    starts = [(c * pp + stage) * n for c in range(chunks)]
-    return ", ".join(f"{start}-{start + n - 1}" for start in starts)
+    n, layers = num_layers // (pp * chunks), stage_layers(num_layers, pp, chunks, stage)
+    return ", ".join(f"{layers[c * n]}-{layers[c * n + n - 1]}" for c in range(chunks))
 
 
 def _report_stages(cfg: Config, stages: list[MemoryEstimate], worst: int, out: TextIO) -> None:

@@ -1,0 +1,241 @@
+"""Activations a transformer layer keeps for backward, per micro-batch, from formulas.
+
+Notation as in megatron/estimate/parameters.py, plus s sequence, b micro-batch, e bytes per
+element of the model dtype, and for a mixture of experts T = b*s tokens (s/c under context
+parallelism) and k = ``moe_router_topk``.
+
+**Activations** per micro-batch start from Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", eq. 2: with 16-bit activations, 1-byte dropout masks
+and f = 4h, one layer stores ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes (34 + 5as/h at t = 1).
+The 10 are replicated (the inputs of both LayerNorms, of QKV and of fc1: 4 tensors; 2 dropout
+masks), the 24/t are split by head or by ffn column (q, k, v, the dense input, fc1's output and
+GeLU's output: s*b*(4h + 2f) elements), and 5as/(ht) are the attention probabilities, their
+dropout mask and the dropped probabilities. Here elements are scaled by e, masks are dropped when
+their dropout is 0, and each LayerNorm adds its fp32 mean and rstd (8*s*b). Our attention calls
+``scaled_dot_product_attention``, whose fused CUDA kernels (flash on sm80+, memory-efficient
+elsewhere) store no probabilities: they keep their output (the dense layer's input, counted
+above) and the fp32 log-sum-exp (4*a*s*b/t), and recompute the rest in backward. That is the
+figure the fit uses; the 5as/h term (what unfused attention, e.g. the CPU math path with
+dropout, would add) is reported apart.
+The decoder options change the split terms: q, k, v and the dense input are (a + 2g)d + a*d
+elements (the fused QKV output, which v keeps alive, and the dense input), RoPE and QK norms
+make q and k new tensors ((a + g)d more; where a rank holds several groups of several heads, q
+is a copy, a*d, kept unless RoPE alone reads it), QK norms add their statistics per head, and
+SwiGLU keeps fc1's 2f outputs, SiLU's f and the product's f (4f where GeLU keeps 2f). An RMSNorm
+keeps its input and an fp32 rstd (4*s*b: the fused kernel torch runs on CUDA). RoPE's cos and
+sin (2*e*s*b*rot, rot = d * rotary_percent) are shared by a chunk's layers.
+With full recomputation a layer keeps only its input (e*s*b*h, replicated) and backward rebuilds
+one layer's working set at a time: L*e*s*b*h + one layer. Outside the layers: the embedding
+dropout mask, the final hidden states (the LM head's input; BERT's pooler keeps them through
+its [CLS] view, so BERT without a binary head frees them), with pre-LN the final LayerNorm's
+input and statistics; for BERT with post-LN the embedding LayerNorm's input and statistics
+instead, its MLM head's dense, GeLU, LayerNorm and logit-matmul inputs and LayerNorm statistics,
+and the pooled [CLS] (e*b*h).
+
+
+**Mixture of experts.** An MoE layer (``model.moe_layers``) keeps, instead of the dense MLP's
+fc1 output and activation (its input, the norm's output, is counted as fc1's above: the router
+and the shared expert read it, gathered whole as fc1's is), per routed token (T/t tokens under
+sequence parallelism, which routes each rank's own): the router's fp32 scores (E; the logits, E
+more, with the z-loss), the top-k choices (int64, k) and, when the weights are renormalised, the
+top-k scores and their sum (k + 1, fp32; sigmoid scores: their sum over the experts too); and
+for the T tokens of the whole sequence, on every TP rank (each routes the same tokens; the
+experts are split along f_e): the routing weights [T, k] in fp32 (and, with a 16-bit dtype, the
+cast copy the combination multiplies by), the int64 permutation and its token rows (2*8*T*k),
+the permuted token rows (fc1's input), fc2's output rows and their unpermuted copy (which the
+weights multiply), 3*e*T*k*h, and the experts' SwiGLU terms as the dense MLP's, T*k*4f_e/t
+elements (2f_e/t with GeLU). The shared expert keeps what a dense MLP of width fs keeps
+(T*4fs/t), and with its gate the sigmoid [T, 1] and its own output [T, h], which the gate
+multiplies. Dropless routing sends T*k rows through the experts (a capacity factor bounds it by
+the sum of the experts' capacities: the estimate counts T*k, the most). ``moe_dispatch_bytes``
+gives the transient buffers of one layer's dispatch (two [T*k, h] tensors at once), counted once
+in the total.
+
+**Sequence parallelism** (``parallel.sequence_parallel``) splits along the sequence over the t TP
+ranks the LayerNorm, dropout and residual activations: in each layer both LayerNorms' inputs,
+the dropout masks and the statistics, s*b*h*(2e + masks) + 16*s*b bytes; the layer input that
+full recomputation keeps; and outside the layers the embedding dropout mask and the LayerNorm
+input and statistics. The inputs of QKV and fc1 (2e*s*b*h) stay whole: the column-parallel
+layer all-gathers its input and keeps the gathered copy for its weight gradient (Korthikanti et
+al.'s s*b*h*(34/t + 5as/(ht)) assumes it is gathered again in backward instead). So do the
+final hidden states: the loss path gathers them for the LM head (and BERT's pooler).
+
+
+**Context parallelism** (``parallel.context_parallel_size`` c > 1) cuts each sample's s tokens
+into 2c chunks and gives each CP rank two of them (chunks i and 2c - 1 - i, for causal balance):
+s/c tokens. Every term above that counts tokens counts those s/c (with sequence parallelism,
+s/(c*t) where it splits): the layers' activations, the layer inputs recomputation keeps, RoPE's
+cos and sin, the embedding- and head-side terms, the tensors the pipeline sends and GPT's
+logits (BERT's head runs on all b*n masked slots on every CP rank, the other ranks' as dummies).
+Ring attention saves what the fused kernel saves (q, k, v, its output and the fp32
+log-sum-exp, of the local tokens), so the per-layer count is the fused one at s/c: its output
+is laid out [b, s/c, a/t, d] in memory, so the dense layer's input is a view of it. It never
+materialises the probabilities (no unfused extra). Its transient buffers, one layer's at a
+time and counted once in the total (``ring_attention_bytes``): two K/V messages
+[2, b, g/t, s/c, d] in flight, fp32 dK/dV accumulators of that shape, fp32 query-sized buffers
+(dq and others) and ``RING_SCORE_BLOCKS`` fp32 score blocks [b, a/t, s/2c, s/2c], which grow as
+(s/c)^2 and dominate at long sequences. Weights, gradients and (but for the distributed
+optimizer's shards) optimizer state are replicated over CP.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from megatron.config.model import ModelConfig
+from megatron.estimate.parameters import fc1_width, projections
+
+# fp32 score blocks [b, a/t, s/2c, s/2c] ring attention's backward holds at its peak: it works
+# pair by pair (dropping each pair's before the next), and a pair holds its probabilities p,
+# their gradient dp, dp - delta and the scores' gradient ds.
+RING_SCORE_BLOCKS = 4
+
+
+def norm_stats(model: ModelConfig) -> int:
+    """Bytes a norm keeps per normalised vector: fp32 mean and rstd (LayerNorm), or rstd."""
+    return 8 if model.normalization == "layernorm" else 4
+
+
+def layer_activation_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    tp_size: int,
+    elem_bytes: int,
+    fused_attention: bool = True,
+    sequence_parallel: bool = False,
+    context_parallel: int = 1,
+    moe: bool = False,
+) -> int:
+    """Bytes one transformer layer stores for backward (see the module docstring).
+
+    ``fused_attention=False`` gives Korthikanti et al.'s count, with attention probabilities
+    (of this rank's queries against the whole sequence); ``sequence_parallel`` splits the
+    LayerNorm inputs, dropout masks and statistics over the TP ranks; ``context_parallel`` (c)
+    leaves each rank s/c tokens of every sample, so every term counts those; ``moe``: a layer
+    whose MLP is the mixture of experts (``moe_activation_bytes`` in place of the dense MLP's).
+    """
+    s, b, h = model.seq_length // context_parallel, micro_batch_size, model.hidden_size
+    f, d = model.ffn_hidden_size, model.head_dim
+    a, g = model.num_attention_heads, model.query_groups
+    hidden_masks = 2 if model.hidden_dropout > 0 else 0
+    stats = norm_stats(model)
+    # The norms' inputs (the residual stream), the dropout masks and the statistics; then
+    # the inputs of QKV and fc1, which the column-parallel layers keep whole (gathered).
+    sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + 2 * stats * s * b
+    column_inputs = 2 * s * b * h * elem_bytes
+    qkv, attn, _ = projections(model)
+    rope = model.position_embedding_type == "rope"
+    # q reshaped from several groups is a copy, kept by what reads it unless that is RoPE.
+    copied_q = g // tp_size > 1 and a > g and (model.qk_layernorm or not rope)
+    kept = qkv + attn + (a + g) * d * (rope or model.qk_layernorm) + a * d * copied_q
+    kept += 0 if moe else mlp_kept(model, f)
+    split = s * b * kept * elem_bytes
+    if model.qk_layernorm:
+        split += stats * s * b * (a + g)  # per head of q and k
+    if fused_attention:
+        split += 4 * a * s * b  # the log-sum-exp; the output is the dense input, counted above
+    else:
+        dropped = (1 + elem_bytes) if model.attention_dropout > 0 else 0  # mask, dropped copy
+        split += a * s * model.seq_length * b * (elem_bytes + dropped)
+    whole = 0
+    if moe:
+        routed, experts, whole = moe_activation_bytes(model, s * b, elem_bytes)
+        sequence_split, split = sequence_split + routed, split + experts
+    if sequence_parallel:
+        sequence_split = -(-sequence_split // tp_size)
+    return sequence_split + column_inputs + whole + -(-split // tp_size)
+
+
+def mlp_kept(model: ModelConfig, width: int) -> int:
+    """Elements per token an MLP of inner ``width`` keeps past its input, split over TP: fc1's
+    output, SiLU's and the product (SwiGLU: 2w + w + w), or fc1's and GeLU's (w + w)."""
+    return fc1_width(model, width) + 2 * width if model.activation == "swiglu" else 2 * width
+
+
+def moe_activation_bytes(model: ModelConfig, tokens: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(routed where the tokens are, split over TP, whole) bytes one MoE layer keeps for backward
+    in place of the dense MLP's, for ``tokens`` T (this rank's b*s/c): see the module docstring.
+
+    The first term is what sequence parallelism splits (each rank routes its T/t tokens); the
+    experts' and the shared expert's inner activations are split along their widths; the token
+    rows, the routing weights the combination multiplies by and the indices are whole on every
+    TP rank (gathered under sequence parallelism).
+    """
+    h, e, k, experts = model.hidden_size, elem_bytes, model.moe_router_topk, model.num_experts
+    rows = tokens * k  # dropless: every token's k choices
+    # fp32 scores [T, E] (softmax or sigmoid output), with the z-loss the logits [T, E] too;
+    # the top-k choices [T, k] (int64); renormalised: the top-k scores [T, k] and their sum;
+    # sigmoid: the scores' sum [T, 1].
+    routed = 4 * experts * (1 + (model.moe_z_loss_coeff > 0)) + 8 * k
+    softmax = model.moe_router_score_function == "softmax"
+    if (not model.moe_router_pre_softmax) if softmax else k > 1:
+        routed += 4 * k + 4
+    if not softmax:
+        routed += 4  # the sum of the sigmoid scores, which divides them into probabilities
+    split = rows * mlp_kept(model, model.expert_ffn_hidden_size) * e
+    # the permuted rows, fc2's output rows and their unpermuted copy [T*k, h] (the index_copy
+    # keeps its source); the weights [T, k] in fp32 and, 16-bit, the copy the product keeps;
+    # int64 [T*k]: the permutation and its token rows; int32 [E]: the grouped GEMMs' offsets
+    whole = (
+        3 * rows * h * e + 4 * rows + (e * rows if e != 4 else 0) + 2 * 8 * rows + 2 * 4 * experts
+    )
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is not None:
+        split += tokens * mlp_kept(model, shared) * e
+        if model.moe_shared_expert_gate:
+            whole += e * tokens * (h + 1)  # the shared output and the sigmoid, multiplied
+    return tokens * routed, split, whole
+
+
+def moe_dispatch_bytes(
+    model: ModelConfig,
+    micro_batch_size: int,
+    elem_bytes: int,
+    context_parallel: int = 1,
+) -> int:
+    """Transient bytes of one MoE layer's dispatch at its peak (0 for a dense model): two
+    [T*k, h] tensors in the model dtype at once (forward: the weighted outputs before the sum
+    over k beside the unpermuted ones; backward: the gradients of the unpermuted and of the
+    permuted rows), T = b*s/c tokens, whole on every TP rank."""
+    if not any(model.moe_layers):
+        return 0
+    tokens = micro_batch_size * model.seq_length // context_parallel
+    return 2 * tokens * model.moe_router_topk * model.hidden_size * elem_bytes
+
+
+class RingBuffers(NamedTuple):
+    """Transient bytes of one layer's ring attention at its peak, in backward."""
+
+    kv: int  # 2 K/V messages [2, b, g/t, s/c, d], model dtype: the one in hand, the one arriving
+    dkv: int  # fp32 dK/dV accumulators of that shape: 2 at CP 2, else 4
+    working: int  # fp32 [b, a/t, s/c, d] buffers (dq, a pair's products, 16-bit q/dout copies)
+    scores: int  # RING_SCORE_BLOCKS fp32 blocks [b, a/t, s/2c, s/2c]
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.dkv + self.working + self.scores
+
+
+def ring_attention_bytes(
+    model: ModelConfig, micro_batch_size: int, tp_size: int, elem_bytes: int, context_parallel: int
+) -> RingBuffers:
+    """What one layer's ring attention (megatron/parallel/context_parallel.py) holds besides its
+    saved tensors, at its peak, the backward, at CP c > 1 (nothing at c = 1).
+
+    A message packs k and v, [2, b, g/t, s/c, d] in the model dtype; two are alive (the block
+    computed on and the one arriving). Each block's dK/dV accumulator is fp32 of that shape: the
+    rank's own, the one being filled, and from CP 3 on the one being sent and the one being
+    received. The fp32 [b, a/t, s/c, d] buffers: dq, one pair's two matmul products (one in all)
+    and, with a 16-bit dtype, q's and dout's fp32 copies; plus delta, fp32 [b, a/t, s/c]. The
+    scores: ``RING_SCORE_BLOCKS`` fp32 blocks [b, a/t, s/2c, s/2c].
+    """
+    if context_parallel == 1:
+        return RingBuffers(0, 0, 0, 0)
+    s, b, d = model.seq_length // context_parallel, micro_batch_size, model.head_dim
+    heads = model.num_attention_heads // tp_size
+    message = 2 * b * (model.query_groups // tp_size) * s * d
+    accumulators = 2 if context_parallel == 2 else 4
+    queries = 2 + 2 * (elem_bytes != 4)
+    working = 4 * b * heads * s * (queries * d + 1)
+    scores = RING_SCORE_BLOCKS * 4 * b * heads * (s // 2) ** 2
+    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, scores)
