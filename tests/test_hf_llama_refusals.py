@@ -47,21 +47,31 @@ LLAMA3_NO_FACTOR = {k: v for k, v in LLAMA3.items() if k != "factor"}
     ],
 )  # fmt: skip
 def test_a_config_we_cannot_compute_exactly_is_refused(name, changes, named):
-    hf = hf_config_json(name, **changes)
+    assert_refused(hf_config_json(name, **changes), named)
+
+
+def assert_refused(hf: dict, named: str) -> None:
+    """Reading config.json ``hf`` raises one line naming it and ``named``."""
     with pytest.raises(ConfigError) as e:
         from_config_json(hf, "hf/config.json").sections(hf, "hf/config.json")
     message = str(e.value)
     assert message.startswith("hf/config.json: ") and named in message and "\n" not in message
 
 
-def test_the_cli_refuses_in_one_line(tmp_path, capsys):
-    (tmp_path / "hf").mkdir()
-    hf = hf_config_json("MistralForCausalLM", sliding_window=4096, max_position_embeddings=32768)
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
-    assert import_main(["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o")]) == 2
+def assert_cli_refuses(directory, capsys, hf: dict, named: str) -> None:
+    """tools/import_hf.py on a directory holding config.json ``hf`` exits 2 with one line
+    naming ``named``, and writes nothing."""
+    (directory / "hf").mkdir()
+    (directory / "hf" / "config.json").write_text(json.dumps(hf))
+    assert import_main(["--input", str(directory / "hf"), "--output", str(directory / "o")]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "sliding_window=4096" in err, err
-    assert not (tmp_path / "o").exists()
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+    assert not (directory / "o").exists()
+
+
+def test_the_cli_refuses_in_one_line(tmp_path, capsys):
+    hf = hf_config_json("MistralForCausalLM", sliding_window=4096, max_position_embeddings=32768)
+    assert_cli_refuses(tmp_path, capsys, hf, "sliding_window=4096")
 
 
 LLAMA_TINY, GPT_TINY = "configs/llama_tiny.yaml", "configs/gpt_tiny.yaml"

@@ -5,8 +5,10 @@
 
 A GPT with learned positions becomes GPT2LMHeadModel (pre-LN only); a RoPE + RMSNorm + SwiGLU
 GPT becomes Qwen3ForCausalLM (QK norms), Qwen2ForCausalLM (QKV bias) or LlamaForCausalLM
-(MistralForCausalLM for a Mistral import); BERT becomes MegatronBertForPreTraining (pre-LN) or
-BertForPreTraining (post-LN), ...ForMaskedLM without a binary head. A model none of them holds
+(MistralForCausalLM for a Mistral import), with experts Qwen2MoeForCausalLM (a gated shared
+expert), Qwen3MoeForCausalLM (QK norms) or MixtralForCausalLM; BERT becomes
+MegatronBertForPreTraining (pre-LN) or BertForPreTraining (post-LN), ...ForMaskedLM without a
+binary head. A model none of them holds
 exactly is refused in one line naming its model.* key. The output loads with
 ``AutoModelForCausalLM`` / ``AutoModelForPreTraining`` and, where expressible, ``AutoTokenizer``.
 ``--verify`` runs both models on fixed ids and fails when their logits differ by over 1e-4.

@@ -1,7 +1,8 @@
 """Import a Hugging Face model directory, with its tokenizer, as our checkpoint at any TP size.
 
 Accepted: GPT2LMHeadModel, BertForPreTraining, MegatronBertForPreTraining and the Llama family
-(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
+(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) with its
+mixtures of experts (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM).
 
     python tools/import_hf.py --input hf/gpt2 --output runs/gpt2 --tensor-parallel-size 2 --verify
     python pretrain_gpt.py --config runs/gpt2/config.yaml data.paths=[data/gpt2_text_document]

@@ -7,18 +7,19 @@ from typing import Any
 from megatron.config.model import ModelConfig
 from megatron.config.schema import Config
 from megatron.errors import ConfigError
-from megatron.interop import bert, gpt2, llama
+from megatron.interop import bert, gpt2, llama, moe
 from megatron.interop.mapping import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in [gpt2.GPT2(), *bert.ARCHITECTURES, *llama.ARCHITECTURES]
+    a.name: a
+    for a in [gpt2.GPT2(), *bert.ARCHITECTURES, *llama.ARCHITECTURES, *moe.ARCHITECTURES.values()]
 }
 # config.json without "architectures": the task model each model_type means.
 _BY_MODEL_TYPE = {
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertForPreTraining",
     "megatron-bert": "MegatronBertForPreTraining",
-    **{a.model_type: a.name for a in llama.ARCHITECTURES},
+    **{a.model_type: a.name for a in [*llama.ARCHITECTURES, *moe.ARCHITECTURES.values()]},
 }
 # What GPT2LMHeadModel and the BERT classes hold (our defaults, learned positions): a model with
 # another value of any of these has none of their forms.
@@ -49,7 +50,8 @@ def from_config_json(hf: dict[str, Any], where: str) -> Architecture:
 
 def _llama_family(m: ModelConfig, imported: str | None) -> Architecture:
     """The class a RoPE GPT exports as: Qwen3 with QK norms, Qwen2 with a QKV bias, else Llama
-    (Mistral when ``imported`` from one, so the round trip keeps its class)."""
+    (Mistral when ``imported`` from one, so the round trip keeps its class); with experts, the
+    mixture-of-experts class that holds it (``moe.for_model``)."""
     names = [a.name for a in llama.ARCHITECTURES]
     for key, held in llama.FORM.items():
         if getattr(m, key) != held:
@@ -58,6 +60,8 @@ def _llama_family(m: ModelConfig, imported: str | None) -> Architecture:
                 f"hold only {key}={held} with RoPE, and GPT2LMHeadModel has learned positions; "
                 "no Hugging Face class we export holds this GPT exactly"
             )
+    if m.num_experts is not None:
+        return moe.for_model(m)
     if m.qk_layernorm and m.add_qkv_bias:
         raise ConfigError(
             "model.add_qkv_bias=True with model.qk_layernorm=True: Qwen3ForCausalLM's "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.config.model import ModelConfig
 from megatron.config.schema import Config
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.errors import ConfigError
@@ -51,6 +52,12 @@ _CONFIG_KEYS: ConfigKeys = {
     "init_method_std": ("initializer_range", 0.02),
     "attention_dropout": ("attention_dropout", 0.0),
 }
+LAYER = "model.layers.{i}."
+# A dense SwiGLU MLP (our suffix, HF suffixes, conversion), in every layer of these classes.
+MLP = [
+    ("mlp.fc1.weight", "mlp.gate_proj.weight mlp.up_proj.weight", "swiglu"),
+    ("mlp.fc2.weight", "mlp.down_proj.weight", "same"),
+]
 _QKV = "self_attn.q_proj.{p} self_attn.k_proj.{p} self_attn.v_proj.{p}"
 _NORMS = ("q_norm", "k_norm")
 # Config keys that describe what we do not hold: a mixture of experts, quantized weights.
@@ -116,6 +123,7 @@ class LlamaFamily(Architecture):
     head_prefixes = ("lm_head",)
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
     ignored = ("rotary_emb.inv_freq",)  # older transformers saved RoPE's frequencies
+    refused = _REFUSED  # config.json keys whose (truthy) presence means what we do not hold
 
     def __init__(
         self,
@@ -147,17 +155,20 @@ class LlamaFamily(Architecture):
             *attention,
             ("attention.dense.weight", "self_attn.o_proj.weight", "same"),
             ("ln2.weight", "post_attention_layernorm.weight", "same"),
-            ("mlp.fc1.weight", "mlp.gate_proj.weight mlp.up_proj.weight", "swiglu"),
-            ("mlp.fc2.weight", "mlp.down_proj.weight", "same"),
         ]
         rules = [
             Rule("embedding.word.weight", ("model.embed_tokens.weight",)),
-            *layer_rules(m.num_layers, "model.layers.{i}.", layer),
+            *layer_rules(m.num_layers, LAYER, layer),
+            *self.mlp_rules(m),
             Rule("transformer.final_ln.weight", ("model.norm.weight",)),
         ]
         if m.untie_embeddings_and_output_weights:
             rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
         return rules
+
+    def mlp_rules(self, m: ModelConfig) -> list[Rule]:
+        """Every layer's MLP: a dense SwiGLU."""
+        return layer_rules(m.num_layers, LAYER, MLP)
 
     def tied_copies(self, cfg: Config) -> dict[str, str]:
         """lm_head is a copy of the word table only in a tied model."""
@@ -202,7 +213,7 @@ class LlamaFamily(Architecture):
         require(hf, "hidden_act", "silu", where)
         for key, value in self.required.items():
             require(hf, key, value, where)
-        for key, what in _REFUSED.items():
+        for key, what in self.refused.items():
             if hf.get(key):
                 raise ConfigError(f"{where}: {key}={hf[key]!r} means {what}; it does not convert")
         sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
@@ -224,7 +235,9 @@ class LlamaFamily(Architecture):
         """model.* from the class's keys (its defaults where config.json omits one)."""
         model = from_hf_config(self.keys, hf)
         self._refuse(hf, model["max_position_embeddings"], where)
-        theta, scaling = _rope(hf, model["max_position_embeddings"], where)
+        # The class's own theta where config.json names none (Mixtral's is 1e6).
+        theta_default = {"rope_theta": self.defaults.get("rope_theta", 10000.0)}
+        theta, scaling = _rope({**theta_default, **hf}, model["max_position_embeddings"], where)
         model.update(
             # Training samples: the model's context, capped, since recent models' 128k positions
             # are a long-context extension of shorter pretraining, and a 128k sample's attention

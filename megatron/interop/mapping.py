@@ -13,7 +13,7 @@ weight as [in, out], the transpose of ``nn.Linear``'s. Our SwiGLU ``fc1`` interl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,9 @@ from megatron.errors import ConfigError
 class Rule:
     """Our state-dict key, the HF key(s) holding the same numbers, and the conversion's name:
     ``same``, ``t`` (Conv1D, transposed), ``qkv`` (fused QKV bias), ``qkv_t`` (fused QKV Conv1D
-    weight), ``qkv_split`` (QKV as separate q, k, v tensors) or ``swiglu`` (fc1 as gate, up)."""
+    weight), ``qkv_split`` (QKV as separate q, k, v tensors), ``swiglu`` (fc1 as gate, up), or
+    for routed experts ``experts`` (one tensor per expert) and ``experts_swiglu`` (fc1 as each
+    expert's gate and up)."""
 
     ours: str
     hf: tuple[str, ...]
@@ -90,6 +92,18 @@ CONVERSIONS: dict[str, tuple[Convert, Convert]] = {
         lambda ts, h: (ts[0][0::2], ts[0][1::2]),
         lambda ts, h: (torch.stack(ts, dim=1).flatten(0, 1),),  # [ffn, 2, h] -> [2 * ffn, h]
     ),
+    # Routed experts: fc2 [E, h, f] <-> one down projection [h, f] per expert.
+    "experts": (lambda ts, h: tuple(ts[0].unbind(0)), lambda ts, h: (torch.stack(ts),)),
+    # fc1 [E, 2f, h], each expert's rows interleaved <-> gate_0, up_0, gate_1, ... [f, h] each.
+    "experts_swiglu": (
+        lambda ts, h: tuple(w for e in ts[0] for w in (e[0::2], e[1::2])),
+        lambda ts, h: (
+            torch.stack(ts)  # [2E, f, h]: gate_0, up_0, gate_1, ...
+            .unflatten(0, (-1, 2))  # [E, 2, f, h]
+            .transpose(1, 2)  # [E, f, 2, h]
+            .flatten(1, 2),  # [E, 2f, h]
+        ),
+    ),
 }
 
 
@@ -136,16 +150,19 @@ def module_rules(ours: str, hf: str) -> list[Rule]:
     return [Rule(o, (h,), kind) for o, h, kind in weight_and_bias(ours, hf)]
 
 
-def layer_rules(num_layers: int, prefix: str, pairs: list[tuple[str, str, str]]) -> list[Rule]:
-    """Per-layer rules from ``pairs`` of (our suffix, HF suffix(es), kind): several HF suffixes
-    are separated by spaces, and each follows ``prefix`` with ``{i}`` the layer index."""
+def layer_rules(
+    layers: int | Iterable[int], prefix: str, pairs: list[tuple[str, str, str]]
+) -> list[Rule]:
+    """Rules of every layer (``layers`` of them) or of the layers ``layers`` lists, from
+    ``pairs`` of (our suffix, HF suffix(es), kind): several HF suffixes are separated by spaces,
+    and each follows ``prefix`` with ``{i}`` the layer index."""
     return [
         Rule(
             f"transformer.layers.{i}.{ours}",
             tuple(prefix.format(i=i) + h for h in hf.split()),
             kind,
         )
-        for i in range(num_layers)
+        for i in (range(layers) if isinstance(layers, int) else layers)
         for ours, hf, kind in pairs
     ]
 
