@@ -95,3 +95,61 @@ def test_each_moe_layer_exchanges_twice_each_way():
         assert ep == 2
         assert forward == ["all_to_all_single"] * 3  # the counts, the rows out, the rows back
         assert backward == ["all_to_all_single"] * 2  # the gradients' two exchanges
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoints_resume_and_load_at_any_ep(gpt_data, tmp_path):
+    """With the expert bias on: an EP2 run stopped at iteration 10 and resumed writes the
+    unbroken run's metrics lines exactly; its checkpoint of iteration 10 (expert files per EP
+    rank) loads at EP4 within DP4 and at EP1 x TP2, and merged by tools/checkpoint_util.py at
+    one process, and the next losses equal the unbroken run's within 1e-5."""
+    from tests.test_moe_training import BIAS
+    from tests.test_resume import metric_lines
+    from tools.checkpoint_util import main as checkpoint_util
+
+    saved = tmp_path / "half" / "ckpt"
+    exit_at_10 = {"checkpoint.save": tmp_path / "resume" / "ckpt", "training.exit_interval": 10}
+    after_10 = {**BIAS, "checkpoint.load": saved, "training.exit_interval": 11}
+    _spawn(2, [
+        _run(gpt_data, tmp_path, "ep2", **BIAS, **EP2),
+        *[_run(gpt_data, tmp_path, "resume", **BIAS, **EP2, **exit_at_10)] * 2,
+        _run(gpt_data, tmp_path, "half", **BIAS, **EP2,
+             **{"checkpoint.save": saved, "training.exit_interval": 10}),
+        _run(gpt_data, tmp_path, "tp2_load", **after_10, **{"parallel.tensor_parallel_size": 2}),
+    ])  # fmt: skip
+    _spawn(4, [_run(gpt_data, tmp_path, "ep4_load", **after_10, **EP4)])
+    merged = tmp_path / "merged"  # tools/checkpoint_util.py gathers the experts into one file
+    assert checkpoint_util(["--input", str(saved), "--output", str(merged), "--merge"]) == 0
+    _spawn(1, [_run(gpt_data, tmp_path, "ep1_load", **{**after_10, "checkpoint.load": merged})])
+    resumed = metric_lines(tmp_path / "resume" / "metrics.jsonl")
+    assert resumed == metric_lines(tmp_path / "ep2" / "metrics.jsonl")
+    files = sorted(p.name for p in (saved / "iter_0000010").glob("experts_*"))
+    assert files == ["experts_tp00_ep000.safetensors", "experts_tp00_ep001.safetensors"]
+    full = {e["iteration"]: e for e in read_metrics(tmp_path / "ep2" / "metrics.jsonl")}
+    for name in ("ep1_load", "ep4_load", "tp2_load"):
+        (line,) = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert line["iteration"] == 11, name
+        for key in ("lm_loss", "moe_aux_loss", "grad_norm"):
+            assert line[key] == pytest.approx(full[11][key], rel=1e-5), (name, key)
+
+
+@pytest.mark.parametrize("tp, pp, cp, dp, ep", [(1, 1, 1, 4, 2), (2, 2, 1, 2, 2), (1, 1, 2, 4, 4)])
+def test_each_checkpoint_file_has_one_writer(tp, pp, cp, dp, ep):
+    """Over every rank of the grid, the files written (``files_written_by``) are disjoint and
+    are each (TP, PP) file and each (TP, PP, EP) expert file once."""
+    from megatron.checkpoint.format import expert_file, shard_file
+    from megatron.checkpoint.save import files_written_by
+    from megatron.parallel.state import ParallelState
+
+    grid = torch.arange(dp * pp * cp * tp).view(dp, pp, cp, tp)
+    written: list[str] = []
+    for rank in range(grid.numel()):
+        d, p, c, t = (grid == rank).nonzero()[0].tolist()
+        st = ParallelState(
+            rank, grid.numel(), rank, tp, t, None, dp, d, None, torch.device("cpu"), pp, p,
+            cp_size=cp, cp_rank=c, ep_size=ep, ep_rank=(d * cp + c) % ep,
+        )  # fmt: skip
+        written += [n for n in files_written_by(st) if not n.startswith("rng_")]
+    want = [shard_file(t, p, pp) for t in range(tp) for p in range(pp)]
+    want += [expert_file(t, e, p, pp) for t in range(tp) for p in range(pp) for e in range(ep)]
+    assert sorted(written) == sorted(want)

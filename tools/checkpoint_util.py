@@ -166,8 +166,8 @@ def summary(ckpt: str, tensors: bool = False) -> str:
 
 
 def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str:
-    """Write checkpoint ``src`` at TP=``tp_size`` (and PP = 1) into the save directory ``out``;
-    its path.
+    """Write checkpoint ``src`` at TP=``tp_size`` (and PP = EP = 1) into the save directory
+    ``out``; its path.
 
     ``weights_only``: without the optimizer state, and marked so in meta.json.
     """
@@ -198,13 +198,16 @@ def reshard(src: str, out: str, tp_size: int, weights_only: bool = False) -> str
     for info in new_layout.values():
         if info["vocab"]:
             info["shape"][0] = padded
+        info.pop("experts", None)  # every expert in the one file of each TP rank (EP 1)
     config = copy.deepcopy(meta["config"])
     config["parallel"]["tensor_parallel_size"] = tp_size
     config["parallel"].update(pipeline_parallel_size=1, virtual_pipeline_size=None)
+    config["parallel"]["expert_parallel_size"] = 1
     converted = {
         **meta,
         "tp_size": tp_size,
         "pp_size": 1,
+        "ep_size": 1,
         "dp_size": 1,
         "world_size": tp_size,
         "distributed_optimizer": None,

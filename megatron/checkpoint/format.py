@@ -46,6 +46,17 @@ def optim_file(tp_rank: int, dp_rank: int, pp_rank: int = 0, pp_size: int = 1) -
     return f"optim_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_dp{dp_rank:03d}.safetensors"
 
 
+def expert_file(tp_rank: int, ep_rank: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """The tensor file of one (TP, PP, EP) rank's experts (weights and optimizer state), saved at
+    expert parallelism > 1; the (TP, PP) file then holds the rest of the model."""
+    return f"experts_tp{tp_rank:02d}{_stage_tag(pp_rank, pp_size)}_ep{ep_rank:03d}.safetensors"
+
+
+def ep_size_of(meta: dict[str, Any]) -> int:
+    """The expert-parallel size a checkpoint was saved at (1 for those saved before EP)."""
+    return meta.get("ep_size", 1)
+
+
 def pp_size_of(meta: dict[str, Any]) -> int:
     """The pipeline size a checkpoint was saved at (1 for those saved before PP existed)."""
     return meta.get("pp_size", 1)
@@ -59,6 +70,15 @@ def cp_size_of(meta: dict[str, Any]) -> int:
 def stage_files(meta: dict[str, Any], pp_rank: int) -> list[str]:
     """The tensor files of one saved pipeline stage, one per saved TP rank."""
     return [shard_file(t, pp_rank, pp_size_of(meta)) for t in range(meta["tp_size"])]
+
+
+def stage_expert_files(meta: dict[str, Any], pp_rank: int) -> list[list[str]]:
+    """The expert files of one saved pipeline stage, [EP rank][TP rank]; [] at EP 1 (the
+    experts are then in ``stage_files``)."""
+    ep, tp, pp = ep_size_of(meta), meta["tp_size"], pp_size_of(meta)
+    if ep == 1:
+        return []
+    return [[expert_file(t, e, pp_rank, pp) for t in range(tp)] for e in range(ep)]
 
 
 def optim_files(meta: dict[str, Any]) -> list[str]:

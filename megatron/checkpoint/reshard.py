@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from megatron.checkpoint.format import open_safetensors
 from megatron.errors import ConfigError
 from megatron.optim.optimizer import MainParamOptimizer
+from megatron.parallel.experts import is_expert
 from megatron.parallel.layers import split_dim
 from megatron.parallel.state import ParallelState
 
@@ -63,22 +64,38 @@ def _param_of(key: str) -> str:
     return rest if kind == "model" else rest.rsplit("/", 1)[0]
 
 
-def tensor_layout(tensors: dict[str, Tensor], model: nn.Module, tp_size: int) -> dict[str, Any]:
-    """Per key: split dim, full shape over ``tp_size`` ranks, dtype, whether rows are the vocab."""
+def expert_keys(tensors: dict[str, Tensor], model: nn.Module) -> set[str]:
+    """The keys of ``tensors`` that hold experts (their parameters' ``is_expert``), whose
+    optimizer step counts included."""
+    params = dict(model.named_parameters())
+    return {k for k in tensors if _param_of(k) in params and is_expert(params[_param_of(k)])}
+
+
+def tensor_layout(
+    tensors: dict[str, Tensor], model: nn.Module, tp_size: int, ep_size: int = 1
+) -> dict[str, Any]:
+    """Per key: split dim, full shape over ``tp_size`` ranks, dtype, whether rows are the vocab;
+    ``experts`` (with ``ep_size`` > 1): the keys of expert files, whose dim 0 holds the experts
+    of one EP rank of ``ep_size`` (the full shape counts all of them)."""
     splits = {name: split_dim(p) for name, p in model.named_parameters()}
     vocab = vocab_params(model)
+    experts = expert_keys(tensors, model) if ep_size > 1 else set()
     layout = {}
     for key, t in tensors.items():
         dim = None if key.endswith("/step") else splits.get(_param_of(key))
         shape = list(t.shape)
         if dim is not None:
             shape[dim] *= tp_size
+        if key in experts and shape:
+            shape[0] *= ep_size
         layout[key] = {
             "split_dim": dim,
             "shape": shape,
             "dtype": str(t.dtype).removeprefix("torch."),
             "vocab": dim is not None and _param_of(key) in vocab,
         }
+        if key in experts:
+            layout[key]["experts"] = True
     return layout
 
 
@@ -127,8 +144,10 @@ class ShardedTensors:
         layout: dict[str, dict[str, Any]],
         vocab_size: int,
         optim: Any | None = None,
+        experts: list[ShardedTensors] | None = None,
     ):
         self.paths, self.layout, self.vocab_size, self.optim = paths, layout, vocab_size, optim
+        self.experts = experts  # saved at EP > 1: each EP rank's expert files, in EP order
         self._files: dict[int, Any] = {}
 
     def _slice(self, key: str, tp_rank: int) -> Tensor:
@@ -147,8 +166,12 @@ class ShardedTensors:
         """Tensor ``key`` as rank ``tp_rank`` of ``tp_size`` holds it (CPU, saved dtype).
 
         ``padded_rows``: the padded vocabulary size at ``tp_size`` (vocabulary tables only).
+        An expert key saved at EP > 1 comes back holding every expert (each EP rank's, in order).
         """
         info = self.layout[key]
+        if info.get("experts") and self.experts:
+            parts = [e.read(key, tp_size, tp_rank, padded_rows) for e in self.experts]
+            return parts[0] if key.endswith("/step") else torch.cat(parts)
         split, vocab, saved_tp = info["split_dim"], info["vocab"], len(self.paths)
         if split is None:
             return self._slice(key, 0)
@@ -180,6 +203,15 @@ def read_state(
     """
     layout = source.layout
     padded = padded_vocab(model, state.tp_size)
+    params = dict(model.named_parameters())
+
+    def mine(key: str, t: Tensor) -> Tensor:
+        """An expert tensor (every expert) cut to this EP rank's experts."""
+        name = _param_of(key)
+        if state.ep_size == 1 or key.endswith("/step") or not is_expert(params.get(name)):
+            return t
+        held = t.shape[0] // state.ep_size
+        return t.narrow(0, state.ep_rank * held, held).clone()
 
     def read(key: str, shape: torch.Size) -> Tensor:
         if key not in layout:
@@ -188,7 +220,7 @@ def read_state(
                 "model config; build the model with the checkpoint's model.* settings (its "
                 "meta.json config), or load a checkpoint of this model"
             )
-        t = source.read(key, state.tp_size, state.tp_rank, padded)
+        t = mine(key, source.read(key, state.tp_size, state.tp_rank, padded))
         if t.shape != shape:
             raise ConfigError(
                 f"{where}: {key} has shape {tuple(t.shape)} at TP={state.tp_size}, the model "
@@ -214,7 +246,6 @@ def read_state(
             f"{where} holds weights only, no optimizer state (tools/checkpoint_util.py "
             "--weights-only); start from it with checkpoint.finetune=true"
         )
-    params = dict(model.named_parameters())
     # The names, not state_dict(): the distributed optimizer's is a collective over DP.
     for name in optimizer.names:
         entry: dict[str, Any] = {}

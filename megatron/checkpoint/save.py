@@ -13,6 +13,10 @@
                                       with PP > 1 one per (TP, PP) rank,
                                       model_optim_tp{t:02d}_pp{p:03d}, by DP rank (p*tp + t) % dp
                                       (ParallelState.writes_checkpoint_shard)
+        experts_tp00_ep000.safetensors  with expert parallelism: each (TP, PP, EP) rank's experts
+        experts_tp00_ep001.safetensors  (weights and optimizer state; the TP files then hold the
+                                      rest), by one of their expert-data-parallel copies
+                                      (ParallelState.writes_expert_shard)
         optim_tp00_dp000.safetensors  with the distributed optimizer: each (TP, PP, DP) rank's shard
         ...                           of the optimizer state (megatron.checkpoint.optim_shards);
                                       the TP files then hold the weights alone
@@ -64,12 +68,13 @@ from megatron.checkpoint.format import (
     FORMAT_VERSION,
     META,
     checkpoint_name,
+    expert_file,
     optim_file,
     rng_file,
     shard_file,
 )
 from megatron.checkpoint.load import LATEST, find_latest, iterations
-from megatron.checkpoint.reshard import padded_vocab, shard_tensors, tensor_layout
+from megatron.checkpoint.reshard import expert_keys, padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
 from megatron.checkpoint.streamed_file import write_tensors
 from megatron.config.schema import Config, to_dict
@@ -133,10 +138,13 @@ def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None
 
 def files_written_by(state: ParallelState, distributed_optimizer: bool = False) -> list[str]:
     """The files of a checkpoint this rank writes: its (TP, PP) rank's shard if
-    ``state.writes_checkpoint_shard``; with the distributed optimizer its own optimizer shard,
+    ``state.writes_checkpoint_shard``; at EP > 1 its (TP, PP, EP) rank's experts if
+    ``state.writes_expert_shard``; with the distributed optimizer its own optimizer shard,
     the part of the state only it holds; always its own RNG file."""
     tp_rank, pp_rank, pp_size = state.tp_rank, state.pp_rank, state.pp_size
     names = [shard_file(tp_rank, pp_rank, pp_size)] if state.writes_checkpoint_shard else []
+    if state.writes_expert_shard:
+        names.append(expert_file(tp_rank, state.ep_rank, pp_rank, pp_size))
     if distributed_optimizer:
         names.append(optim_file(tp_rank, state.replica_rank, pp_rank, pp_size))
     return names + [rng_file(state.rank)]
@@ -166,7 +174,8 @@ class SaveJob:
     ``error``: the capture failed; the job then only reports it, so no rank waits for this one.
     ``layout`` (DP rank 0 of each (TP, PP) rank, with the distributed optimizer): (its index
     ``pp_rank * tp_size + tp_rank``, its shard layout); ``stage`` (the writer of TP rank 0's file
-    of each stage): (PP rank, its ``tensor_layout``). Both go to rank 0 for meta.json.
+    of each stage): (PP rank, its ``tensor_layout``); ``experts`` (at EP > 1, the writer of TP
+    rank 0's expert file of EP rank 0 of each stage) likewise. All go to rank 0 for meta.json.
     """
 
     save_dir: str
@@ -180,6 +189,7 @@ class SaveJob:
     error: BaseException | None = None
     layout: tuple[int, dict[str, Any]] | None = None
     stage: tuple[int, dict[str, Any]] | None = None
+    experts: tuple[int, dict[str, Any]] | None = None  # EP > 1: a stage's expert tensors
 
 
 def capture(
@@ -202,11 +212,18 @@ def capture(
         distributed = isinstance(optimizer, DistributedOptimizer)
         names = files_written_by(state, distributed)
         mine = shard_file(state.tp_rank, state.pp_rank, state.pp_size)
-        tensors = shard_tensors(model, None if distributed else optimizer) if mine in names else {}
+        held = expert_file(state.tp_rank, state.ep_rank, state.pp_rank, state.pp_size)
+        writes = mine in names or held in names
+        tensors = shard_tensors(model, None if distributed else optimizer) if writes else {}
+        experts = expert_keys(tensors, model) if state.ep_size > 1 else set()
+        dense = {k: v for k, v in tensors.items() if k not in experts}
         if mine in names and state.tp_rank == 0:  # one writer per stage describes its tensors
-            job.stage = (state.pp_rank, tensor_layout(tensors, model, state.tp_size))
+            job.stage = (state.pp_rank, tensor_layout(dense, model, state.tp_size))
+        own = {k: tensors[k] for k in experts}
+        if held in names and state.tp_rank == 0 and state.ep_rank == 0:  # and its experts
+            job.experts = (state.pp_rank, tensor_layout(own, model, state.tp_size, state.ep_size))
         rng, header = rng_state(state, train.tracker)
-        parts = {mine: (tensors, None), rng_file(state.rank): (rng, header)}
+        parts = {mine: (dense, None), held: (own, None), rng_file(state.rank): (rng, header)}
         if distributed:
             shard = optim_file(state.tp_rank, state.replica_rank, state.pp_rank, state.pp_size)
             flat = optimizer.shard_state()  # the flat fp32 tensors (live references)
@@ -227,6 +244,7 @@ def capture(
                 "pp_size": state.pp_size,
                 "dp_size": state.dp_size,
                 "cp_size": state.cp_size,
+                "ep_size": state.ep_size,
                 "world_size": state.world_size,
                 "device_type": state.device.type,
                 "vocab_size": vocab_size,
@@ -275,6 +293,7 @@ class _Report(NamedTuple):
     nbytes: int
     layout: tuple[int, dict[str, Any]] | None
     stage: tuple[int, dict[str, Any]] | None
+    experts: tuple[int, dict[str, Any]] | None
 
 
 def _full_meta(job: SaveJob, reports: list[_Report]) -> dict[str, Any]:
@@ -283,6 +302,8 @@ def _full_meta(job: SaveJob, reports: list[_Report]) -> dict[str, Any]:
     writers = {n: rank for rank, r in enumerate(reports) for n in r.sums}
     # Every stage's layouts in stage order (the tied word table's two copies: one entry).
     stages = sorted((r.stage for r in reports if r.stage is not None), key=lambda s: s[0])
+    for p, experts in (r.experts for r in reports if r.experts is not None):
+        stages[p][1].update(experts)  # one stage's keys: its expert files' with its own
     tensors = {key: info for _, layout in stages for key, info in layout.items()}
     meta = {**job.meta, "tensors": tensors, "stages": [list(lay) for _, lay in stages]}
     meta.update(files=dict(sorted(files.items())), writers=writers)
@@ -337,7 +358,7 @@ def write_and_publish(job: SaveJob, group: dist.ProcessGroup | None) -> str:
             error = e
     nbytes = sum(t.nbytes for tensors, _ in job.files.values() for t in tensors.values())
     what = None if error is None else repr(error)
-    report = _Report(sums, what, refusal(error), nbytes, job.layout, job.stage)
+    report = _Report(sums, what, refusal(error), nbytes, job.layout, job.stage, job.experts)
     reports = _to_rank0(report, job, group)
     failure, refused = None, None
     if job.rank == 0:

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron.checkpoint.format import pp_size_of, stage_files
+from megatron.checkpoint.format import pp_size_of, stage_expert_files, stage_files
 from megatron.checkpoint.optim_shards import OptimShards
 from megatron.checkpoint.reshard import ShardedTensors
 
@@ -56,5 +56,9 @@ def open_checkpoint(ckpt_dir: str, meta: dict[str, Any], with_optim: bool) -> St
         layout = {k: meta["tensors"][k] for k in keys}
         layout.update(shards.layout if shards is not None else {})
         paths = [os.path.join(ckpt_dir, name) for name in stage_files(meta, p)]
-        stages.append(ShardedTensors(paths, layout, meta["vocab_size"], shards))
+        experts = [
+            ShardedTensors([os.path.join(ckpt_dir, n) for n in names], layout, meta["vocab_size"])
+            for names in stage_expert_files(meta, p)
+        ]
+        stages.append(ShardedTensors(paths, layout, meta["vocab_size"], shards, experts))
     return StagedTensors(stages)

@@ -168,6 +168,13 @@ class ParallelState:
         owner = (self.pp_rank * self.tp_size + self.tp_rank) % self.replica_size
         return owner == self.replica_rank
 
+    @property
+    def writes_expert_shard(self) -> bool:
+        """Whether this rank writes its (TP, PP, EP) rank's expert file (expert parallelism > 1):
+        one of the expert-data-parallel copies, spread over them as the (TP, PP) files are."""
+        owner = (self.pp_rank * self.tp_size + self.tp_rank) % self.expert_dp_size
+        return self.ep_size > 1 and owner == self.expert_dp_rank
+
 
 def initialize(
     tp_size: int,
