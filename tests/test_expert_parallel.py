@@ -102,7 +102,8 @@ def test_expert_parallel_checkpoints_resume_and_load_at_any_ep(gpt_data, tmp_pat
     """With the expert bias on: an EP2 run stopped at iteration 10 and resumed writes the
     unbroken run's metrics lines exactly; its checkpoint of iteration 10 (expert files per EP
     rank) loads at EP4 within DP4 and at EP1 x TP2, and merged by tools/checkpoint_util.py at
-    one process, and the next losses equal the unbroken run's within 1e-5."""
+    one process, and the next losses equal the unbroken run's within 1e-5. The same with the
+    distributed optimizer at EP2 within DP4 (resumed exactly; loaded at one process)."""
     from tests.test_moe_training import BIAS
     from tests.test_resume import metric_lines
     from tools.checkpoint_util import main as checkpoint_util
@@ -117,7 +118,22 @@ def test_expert_parallel_checkpoints_resume_and_load_at_any_ep(gpt_data, tmp_pat
              **{"checkpoint.save": saved, "training.exit_interval": 10}),
         _run(gpt_data, tmp_path, "tp2_load", **after_10, **{"parallel.tensor_parallel_size": 2}),
     ])  # fmt: skip
-    _spawn(4, [_run(gpt_data, tmp_path, "ep4_load", **after_10, **EP4)])
+    # The distributed optimizer at EP2 within DP4: expert states sharded over their two copies.
+    dist_opt = {**BIAS, **EP2, "parallel.distributed_optimizer": True}
+    dist_opt.update({"parallel.overlap_param_gather": True, "parallel.ddp_bucket_size_mb": 0.01})
+    dist_saved = tmp_path / "dist_half" / "ckpt"
+    exit_dist = {"checkpoint.save": tmp_path / "dist_resume" / "ckpt", "training.exit_interval": 10}
+    _spawn(4, [
+        _run(gpt_data, tmp_path, "ep4_load", **after_10, **EP4),
+        _run(gpt_data, tmp_path, "dist", **dist_opt),
+        *[_run(gpt_data, tmp_path, "dist_resume", **dist_opt, **exit_dist)] * 2,
+        _run(gpt_data, tmp_path, "dist_half", **dist_opt,
+             **{"checkpoint.save": dist_saved, "training.exit_interval": 10}),
+    ])  # fmt: skip
+    dist_after_10 = {**after_10, "checkpoint.load": dist_saved}
+    _spawn(1, [_run(gpt_data, tmp_path, "dist_ep1_load", **dist_after_10)])
+    dist_lines = metric_lines(tmp_path / "dist_resume" / "metrics.jsonl")
+    assert dist_lines == metric_lines(tmp_path / "dist" / "metrics.jsonl")
     merged = tmp_path / "merged"  # tools/checkpoint_util.py gathers the experts into one file
     assert checkpoint_util(["--input", str(saved), "--output", str(merged), "--merge"]) == 0
     _spawn(1, [_run(gpt_data, tmp_path, "ep1_load", **{**after_10, "checkpoint.load": merged})])
@@ -126,7 +142,7 @@ def test_expert_parallel_checkpoints_resume_and_load_at_any_ep(gpt_data, tmp_pat
     files = sorted(p.name for p in (saved / "iter_0000010").glob("experts_*"))
     assert files == ["experts_tp00_ep000.safetensors", "experts_tp00_ep001.safetensors"]
     full = {e["iteration"]: e for e in read_metrics(tmp_path / "ep2" / "metrics.jsonl")}
-    for name in ("ep1_load", "ep4_load", "tp2_load"):
+    for name in ("ep1_load", "ep4_load", "tp2_load", "dist_ep1_load"):
         (line,) = read_metrics(tmp_path / name / "metrics.jsonl")
         assert line["iteration"] == 11, name
         for key in ("lm_loss", "moe_aux_loss", "grad_norm"):

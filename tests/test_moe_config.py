@@ -83,10 +83,6 @@ def test_bad_values_are_one_line_naming_the_key(overrides, key):
     ],
 )
 def test_bad_expert_parallel_sizes_are_one_line(overrides, world, key):
-    """And (for now) the distributed optimizer's checkpoints at EP > 1, refused rather than
-    written wrong."""
-    distributed = ("parallel.expert_parallel_size=2", "parallel.distributed_optimizer=true")
-    assert "checkpoint.save" in refusal(*distributed, world=4)
     no_ckpt = ["checkpoint.save=null", "model.moe_layer_freq=1"]
     if "model.num_experts=null" in overrides:  # the moe_* keys of moe_tiny would speak first
         no_ckpt += [

@@ -18,6 +18,9 @@ the flat buffer, the buckets' spans and the DP size; with PP > 1 the files carry
 (entry ``p * tp_size + t``). Loading turns TP rank t's DP shards back into per-parameter entries
 with ``assemble`` (what a plain checkpoint's TP file holds under ``optim/<param>/<field>``) and
 serves them under those keys: one reshard-on-load path, with the distributed optimizer or without.
+With expert parallelism the expert buckets are sharded over their expert-data-parallel copies:
+``assemble`` builds each EP rank's experts from its copies' shards, and the entries are served
+with every EP rank's experts concatenated, as the expert files serve the weights.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def optim_layout(meta: dict[str, Any], pp_rank: int = 0) -> dict[str, dict[str, 
     fields = [f for f in fields if f == "main" or step > 0]
     layout: dict[str, dict[str, Any]] = {}
     for param in first["params"]:
-        weight = tensors[f"model/{param['name']}"]
+        weight = dict(tensors[f"model/{param['name']}"])
+        weight.pop("experts", None)  # served whole here, every EP rank's experts at once
         for field in fields:
             layout[f"optim/{param['name']}/{field}"] = {**weight, "dtype": "float32"}
         if step > 0:
@@ -101,7 +105,14 @@ class OptimShards:
             index = self.pp_rank * self.meta["tp_size"] + tp_rank
             layout = self.meta["distributed_optimizer"]["layouts"][index]
             shards = [self._read(tp_rank, d) for d in range(layout["dp_size"])]
-            self._entries[tp_rank] = assemble(layout, shards)
+            per_ep = [assemble(layout, shards, e) for e in range(layout.get("ep_size", 1))]
+            entries = per_ep[0]
+            for param in layout["params"]:  # every EP rank's experts, in order
+                if param.get("experts"):
+                    entry = entries[param["name"]]
+                    for field in set(entry) - {"step"}:
+                        entry[field] = torch.cat([e[param["name"]][field] for e in per_ep])
+            self._entries[tp_rank] = entries
         name, field = key.removeprefix("optim/").rsplit("/", 1)
         value = self._entries[tp_rank][name][field]
         return torch.tensor(value, dtype=torch.int64) if field == "step" else value

@@ -216,12 +216,6 @@ def _check_moe(cfg: Config) -> None:
             f"parallel.expert_parallel_size={ep} splits experts, and model.num_experts is null "
             "(a dense model); set it to 1"
         )
-    if ep > 1 and cfg.parallel.distributed_optimizer and cfg.checkpoint.save:
-        raise ConfigError(
-            f"parallel.expert_parallel_size={ep} with parallel.distributed_optimizer=true and "
-            "checkpoint.save: the distributed optimizer's expert shards are not saved yet; turn "
-            "one of the three off"
-        )
     if experts is not None and experts % ep:
         raise ConfigError(
             f"parallel.expert_parallel_size={ep} does not divide model.num_experts={experts}; "

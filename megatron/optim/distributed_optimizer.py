@@ -43,6 +43,7 @@ from megatron.config.schema import OptimizerConfig
 from megatron.optim.grad_scaler import GradScaler
 from megatron.optim.optimizer import MainParamOptimizer, check_entries
 from megatron.parallel.data_parallel import DataParallel
+from megatron.parallel.experts import is_expert
 from megatron.parallel.state import ParallelState
 
 FIELDS = ("main", "exp_avg", "exp_avg_sq")  # the flat fp32 tensors of a shard
@@ -176,20 +177,34 @@ class DistributedOptimizer(MainParamOptimizer):
 
     def layout(self) -> dict[str, Any]:
         """Where the shards' values belong (JSON-able; the same on every DP rank): parameter
-        names, shapes and buffer offsets in buffer order, the buckets' spans and the DP size."""
+        names, shapes and buffer offsets in buffer order, the buckets' spans, the ranks each is
+        sharded over and whether it holds experts split over EP, and the DP and EP sizes."""
         params = sorted(self.model_params, key=lambda p: self.ddp.offsets[id(p)])
         name = {id(p): n for n, p in zip(self.names, self.model_params)}
+        ep = self.state.ep_size
         return {
             "dp_size": self.ddp.dp_size,
+            "ep_size": ep,
             "main_is_param": self.main_is_param,
             "buckets": [
-                {"start": b.start, "numel": b.numel, "size": b.flat.numel()}
+                {
+                    "start": b.start,
+                    "numel": b.numel,
+                    "size": b.flat.numel(),
+                    "shards": b.shards,
+                    "experts": b.experts,
+                }
                 for b in self.ddp.buckets
-            ],
+            ],  # fmt: skip
             "params": [
-                {"name": name[id(p)], "shape": list(p.shape), "offset": self.ddp.offsets[id(p)]}
+                {
+                    "name": name[id(p)],
+                    "shape": list(p.shape),
+                    "offset": self.ddp.offsets[id(p)],
+                    "experts": is_expert(p) and ep > 1,
+                }
                 for p in params
-            ],
+            ],  # fmt: skip
         }
 
     def shard_state(self) -> dict[str, Any]:
@@ -217,7 +232,8 @@ class DistributedOptimizer(MainParamOptimizer):
             {**{k: v.chunk(dp)[r] for k, v in gathered.items()}, "step": self._steps[0]}
             for r in range(dp)
         ]
-        return {"params": assemble(self.layout(), shards), "grad_scaler": self.scaler.state_dict()}
+        params = assemble(self.layout(), shards, self.state.ep_rank)
+        return {"params": params, "grad_scaler": self.scaler.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -256,8 +272,12 @@ class DistributedOptimizer(MainParamOptimizer):
         self.scaler.load_state_dict(state["grad_scaler"])
 
 
-def assemble(layout: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """All DP ranks' ``shard_state()`` (in DP rank order) as per-parameter state.
+def assemble(
+    layout: dict[str, Any], shards: list[dict[str, Any]], ep_rank: int = 0
+) -> dict[str, dict[str, Any]]:
+    """All DP ranks' ``shard_state()`` (in DP rank order) as per-parameter state; at EP > 1 the
+    experts those of EP rank ``ep_rank`` (from the shards of its expert-data-parallel copies,
+    replicas ``ep_rank``, ``ep_rank + ep``, ...).
 
     ``{name: {"exp_avg", "exp_avg_sq", "step", ["main"]}}`` with TP-local shapes, exactly as
     ``MixedPrecisionOptimizer.state_dict()["params"]`` gives it: ``main`` only where the model is
@@ -274,8 +294,11 @@ def assemble(layout: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, 
         # Bucket by bucket, rank by rank: the buffer order (buckets are contiguous and sorted).
         chunks, at = [], 0
         for bucket in layout["buckets"]:
-            part = bucket["size"] // dp
-            chunks += [shard[key][at : at + part] for shard in shards]
+            members = shards
+            if bucket.get("experts"):
+                members = shards[ep_rank :: layout["ep_size"]]
+            part = bucket["size"] // bucket.get("shards", dp)
+            chunks += [shard[key][at : at + part] for shard in members]
             at += part
         full[key] = torch.cat(chunks)
     params: dict[str, dict[str, Any]] = {}

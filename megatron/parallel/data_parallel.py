@@ -76,6 +76,8 @@ class _Bucket:
     # over EP the expert-data-parallel group (None: this rank holds the only copy).
     group: dist.ProcessGroup | None = field(default=None, repr=False)
     average: dist.ReduceOp | None = None  # the group's AVG where it is every replica (NCCL)
+    experts: bool = False  # holds experts split over EP (reduced over their own copies)
+    shards: int = 1  # the ranks its slices are spread over (shard_optimizer), 1 otherwise
     param_flat: Tensor | None = field(default=None, repr=False)  # the params' flat buffer view
     ready: int = 0  # parameters whose gradient of the last micro-batch has arrived
     # Holds a pipeline-tied parameter (the word table's copy on a stage at either end): waits
@@ -141,6 +143,7 @@ class DataParallel:
             flat = self.buffer[start : start + padded]
             bucket = _Bucket(flat, members, start, numel, mine, group=group if size > 1 else None)
             bucket.average = None if ep else average
+            bucket.experts, bucket.shards = ep, pad_to
             bucket.held = any(getattr(p, "pipeline_tied", False) for p in members)
             if self.param_buffer is not None:
                 bucket.param_flat = self.param_buffer[start : start + padded]
