@@ -13,6 +13,10 @@ that each balancing method leaves after 50 iterations on the sample corpus.
   process): the last 10 iterations' mean of each layer's max/mean tokens per expert, with the
   auxiliary loss off, on (1e-2), and with the expert bias instead (sigmoid scores, rate 1e-3,
   and 1e-2).
+- ``ep``: expert parallelism 2 against 1 (every rank every expert) at DP 2 and the same global
+  batch, through the entrypoint (moe_tiny, h 256, experts of width 256): the median step time,
+  each rank's expert parameter bytes and the bytes the two ranks' one micro-batch hands to
+  all-to-all, each against its formula.
 
 The two models of a timed row live in this process and their steps alternate, so a busy
 neighbour slows both alike; medians after warm-up. Prints one JSON line per row.
@@ -163,9 +167,92 @@ def balance_row() -> dict:
     return out
 
 
+EP_SHAPE = {
+    "model.num_layers": 4,
+    "model.hidden_size": 256,
+    "model.seq_length": 128,
+    "model.max_position_embeddings": 128,
+    "model.moe_ffn_hidden_size": 256,
+    "training.micro_batch_size": 4,
+    "training.global_batch_size": 16,
+    "training.eval_iters": 0,
+    "parallel.tensor_parallel_size": 1,
+}
+
+
+def _exchange(ep: int, shape: dict) -> dict:
+    """In a rank of a 2-process world: its expert parameter bytes at ``ep``, and the bytes one
+    micro-batch's forward and backward hand to all-to-all, counted and by the formula."""
+    import torch.distributed as dist
+
+    from megatron.config.load import load_config
+    from megatron.models.build import build_model
+    from megatron.parallel.experts import is_expert
+    from megatron.parallel.state import initialize
+
+    overrides = [f"{k}={v}" for k, v in shape.items()] + [f"parallel.expert_parallel_size={ep}"]
+    cfg = load_config([str(ROOT / "configs" / "moe_tiny.yaml")], overrides)
+    m = cfg.model
+    st = initialize(1, ep_size=ep)
+    tracker = RNGTracker(st.device)
+    tracker.seed(SEED, 0)
+    model = build_model("gpt", cfg, 512, 512, st, tracker)
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if is_expert(p))
+    b, s = cfg.training.micro_batch_size, m.seq_length
+    tokens = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(st.rank))
+    sent = [0]
+    real = dist.all_to_all_single
+
+    def counted(out, x, *args, **kwargs):
+        sent[0] += x.numel() * x.element_size()
+        return real(out, x, *args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        model(tokens, labels=tokens).mean().backward()
+    finally:
+        dist.all_to_all_single = real
+    layers = sum(m.moe_layers)
+    rows = b * s * m.moe_router_topk * m.hidden_size * 4  # one exchange of every routed row
+    counts = m.num_experts * 8  # int64 counts per expert
+    formula = layers * (counts + 4 * rows) if ep > 1 else 0  # two ways forward, two backward
+    held = m.num_experts // ep * 3 * m.expert_ffn_hidden_size * m.hidden_size * 4 * layers
+    return {"expert_bytes": expert_bytes, "expert_bytes_formula": held,
+            "all_to_all_bytes": sent[0], "all_to_all_formula": formula}  # fmt: skip
+
+
+def ep_row() -> dict:
+    """EP2 against EP1 (every rank all experts) at DP 2 and the same global batch: the
+    entrypoint's median step time, each rank's expert bytes, the group's all-to-all bytes."""
+    from tests.distributed import run_distributed
+
+    out: dict = {"row": "ep", "world": 2}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prepare_gpt_data(Path(tmp))
+        for ep in (1, 2):
+            run = Path(tmp) / f"ep{ep}"
+            keys = {**EP_SHAPE, "training.train_iters": 25, "parallel.expert_parallel_size": ep}
+            overrides = tiny_overrides(data, run, **keys)
+            run_pretrain("pretrain_gpt.py", "configs/moe_tiny.yaml", overrides, nproc=2)
+            times = [e["ms_per_iter"] for e in read_metrics(run / "metrics.jsonl")[5:]]
+            out[f"ep{ep}_ms"] = round(statistics.median(times), 1)
+            ranks = run_distributed(_exchange, 2, ep, EP_SHAPE)
+            # A rank sends its n routed rows and returns the m it received: over the EP group
+            # the m add up to the n, so the group's bytes are the formula's, a rank's are not.
+            out[f"ep{ep}"] = {
+                "expert_bytes_per_rank": [r["expert_bytes"] for r in ranks],
+                "expert_bytes_formula": ranks[0]["expert_bytes_formula"],
+                "all_to_all_bytes": sum(r["all_to_all_bytes"] for r in ranks),
+                "all_to_all_formula": sum(r["all_to_all_formula"] for r in ranks),
+            }
+    out["ratio"] = round(out["ep2_ms"] / out["ep1_ms"], 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--row", choices=["layer", "mixtral", "balance", "all"], default="all")
+    rows = ["layer", "mixtral", "balance", "ep", "all"]
+    parser.add_argument("--row", choices=rows, default="all")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -180,6 +267,8 @@ def main() -> None:
     shutdown()
     if args.row in ("balance", "all"):
         print(json.dumps(balance_row()), flush=True)
+    if args.row in ("ep", "all"):
+        print(json.dumps(ep_row()), flush=True)
 
 
 if __name__ == "__main__":
