@@ -30,6 +30,7 @@ from megatron.estimate.parameters import count_parameters
 from megatron.launch.dry_run import dry_run
 from megatron.models.gpt import GPTModel
 from megatron.parallel.random import RNGTracker
+from tests.distributed import run_distributed
 from tests.model_config import tiny_model_config
 from tests.test_document_mask import packed_batch
 from tests.test_estimate import saved_bytes
@@ -90,13 +91,14 @@ MOE_CASES = {
 }  # fmt: skip
 
 
-def _measure(overrides: dict) -> tuple[int, int, int]:
-    """(parameters, active parameters by the estimate, bytes autograd saves) of a 2-layer GPT."""
+def _measure(overrides: dict, state=CPU) -> tuple[int, int]:
+    """(parameters, bytes autograd saves) of a 2-layer GPT on this rank of ``state``."""
     cfg = tiny_model_config(**overrides)
-    tracker = RNGTracker(CPU.device)
+    tracker = RNGTracker(state.device)
     tracker.seed(1, 0)
-    model = GPTModel(cfg, VOCAB, 256, CPU, tracker).train()
-    tokens = torch.randint(0, VOCAB, (2, cfg.seq_length))
+    model = GPTModel(cfg, VOCAB, 256, state, tracker).train()
+    generator = torch.Generator().manual_seed(state.rank)  # each rank its own tokens
+    tokens = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=generator)
     saved = saved_bytes(model, tokens, packed_batch(n=2)[2], labels=tokens)
     return sum(p.numel() for p in model.parameters()), saved
 
@@ -158,3 +160,72 @@ def test_dry_run_reports_total_and_active_parameters():
     text = out.getvalue()
     assert "3,353,032,704 parameters active per token of 30,532,122,624" in text
     assert "parameters: 30,532,122,624 total" in text and "MoE dispatch buffers" in text
+
+
+# moe_tiny at TP 1 with its experts split over 2 EP ranks, optimizer state sharded (fp32)
+EP2 = ["parallel.tensor_parallel_size=1", "parallel.expert_parallel_size=2",
+       "parallel.distributed_optimizer=true", "checkpoint.save=null"]  # fmt: skip
+
+
+def _measure_ep2() -> tuple[int, int, int, dict[str, tuple[int, int]]]:
+    """On this rank of an EP 2 world (DP 2, TP 1): moe_tiny's parameters, routed-expert
+    parameters and distributed optimizer state bytes, and per MoE case the saved bytes of the
+    2-layer GPT with and without its MoE layer."""
+    from megatron.optim.build import build_optimizer
+    from megatron.parallel.data_parallel import DataParallel
+    from megatron.parallel.experts import is_expert
+    from megatron.parallel.state import initialize
+
+    state = initialize(1, ep_size=2)
+    cfg = load_config(["configs/moe_tiny.yaml"], EP2)
+    tracker = RNGTracker(state.device)
+    tracker.seed(1, 0)
+    model = GPTModel(cfg.model, 32000, 32000, state, tracker)
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for p in model.parameters() if is_expert(p))
+    ddp = DataParallel(model, state, cfg.parallel.ddp_bucket_size_mb, shard_optimizer=True)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.precision, state, ddp)
+    saved = {case: (_measure(MOE_CASES[case], state)[1], _measure(DENSE, state)[1])
+             for case in MOE_CASES}  # fmt: skip
+    return params, experts, optimizer.state_bytes(), saved
+
+
+@pytest.mark.slow
+def test_expert_parallel_counts_and_moe_layer_bytes_match_the_model():
+    """At EP 2 (two gloo ranks, DP 2, TP 1): each rank's parameters and routed-expert parameters
+    exactly; an MoE layer's saved bytes exactly, summed over the EP group (the estimate assumes
+    balanced routing, T*k rows received per rank; every expert-side term is linear in the rows
+    received, which over the group sum to 2*T*k whatever the balance). fp32, dropless."""
+    results = run_distributed(_measure_ep2, 2)
+    tiny = load_config(["configs/moe_tiny.yaml"], EP2)
+    count = count_parameters(tiny.model, 32000, 1, ep_size=2)
+    mem = estimate_memory(tiny, 32000, "gpt", dp_size=2)
+    assert mem.params == count and mem.main_params == 0  # fp32: the parameters are the main copy
+    for params, experts, state_bytes, _ in results:
+        assert (params, experts) == (count.per_gpu, count.experts_per_gpu)
+        # the dense parameters' moments halved over DP 2, the experts' whole (EDP 1); the
+        # buckets' padding to a multiple of DP adds under 2 elements each
+        assert 0 <= state_bytes - mem.adam_moments < 8 * 2 * 4
+    assert count.experts_per_gpu * 2 == count.experts  # half of the 8 experts on each rank
+    for case, overrides in MOE_CASES.items():
+        cfg, dense = tiny_model_config(**overrides), tiny_model_config(**DENSE)
+        measured = sum(moe - dense for *_, saved in results for moe, dense in [saved[case]])
+        moe_layer = layer_activation_bytes(cfg, 2, 1, 4, moe=True, expert_parallel=2)
+        assert measured == 2 * (moe_layer - layer_activation_bytes(dense, 2, 1, 4)), case
+
+
+def test_dry_run_reports_expert_parallelism():
+    """Qwen3-30B-A3B on 64 GPUs at EP 8: the layout line names EP, the first stage's 12 layers
+    hold 16 of the 128 experts each (12 x 16 x 3 x 768 x 2048 / TP 2), whose optimizer state
+    no other rank shares (EDP 1)."""
+    argv = ["--config", "configs/qwen3_30b_a3b.yaml", "--dry-run", "--world-size", "64",
+            "--gpu-memory-gb", "80", "parallel.expert_parallel_size=8",
+            "checkpoint.save=null"]  # fmt: skip
+    cfg, args = parse_args(argv)
+    out = io.StringIO()
+    assert dry_run(cfg, args, out=out) == 0
+    text = out.getvalue()
+    assert "world 64 = DP 8 x PP 4 x TP 2 (EP 8 over DP x CP)" in text
+    experts = 12 * 16 * 3 * 768 * 2048 // 2
+    assert f"at EP 8: {experts:,} parameters (16 of 128 experts per MoE layer" in text
+    assert "8 B/param / DP 8 | EDP 1" in text

@@ -51,6 +51,17 @@ the sum of the experts' capacities: the estimate counts T*k, the most). ``moe_di
 gives the transient buffers of one layer's dispatch (two [T*k, h] tensors at once), counted once
 in the total.
 
+With **expert parallelism** (ep > 1, megatron/parallel/experts.py) a rank sends its T*k rows to
+the EP ranks holding their experts and gets back the rows of its E/ep experts from every EP rank.
+The estimate assumes balanced routing: each rank receives T*k rows (the expert-side terms are
+linear in the rows received, so summed over an EP group they are exact whatever the balance).
+The all-to-alls save nothing, so the permuted rows are no longer kept; the layer keeps instead
+the received rows regrouped by local expert (fc1's input), fc2's output rows (the source of the
+copy back into arrival order), the rows returned and their unpermuted copy: 4*e*T*k*h; the
+experts' SwiGLU terms over the T*k received rows as above; one more int64 permutation [T*k] (the
+regrouping) and the grouped GEMMs' offsets of E/ep experts. The dispatch's transient peak is two
+[T*k, h] tensors as without EP (the rows sent beside the rows received, and back).
+
 **Sequence parallelism** (``parallel.sequence_parallel``) splits along the sequence over the t TP
 ranks the LayerNorm, dropout and residual activations: in each layer both LayerNorms' inputs,
 the dropout masks and the statistics, s*b*h*(2e + masks) + 16*s*b bytes; the layer input that
@@ -105,6 +116,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     context_parallel: int = 1,
     moe: bool = False,
+    expert_parallel: int = 1,
 ) -> int:
     """Bytes one transformer layer stores for backward (see the module docstring).
 
@@ -112,7 +124,8 @@ def layer_activation_bytes(
     (of this rank's queries against the whole sequence); ``sequence_parallel`` splits the
     LayerNorm inputs, dropout masks and statistics over the TP ranks; ``context_parallel`` (c)
     leaves each rank s/c tokens of every sample, so every term counts those; ``moe``: a layer
-    whose MLP is the mixture of experts (``moe_activation_bytes`` in place of the dense MLP's).
+    whose MLP is the mixture of experts (``moe_activation_bytes`` in place of the dense MLP's),
+    its experts split over ``expert_parallel`` EP ranks.
     """
     s, b, h = model.seq_length // context_parallel, micro_batch_size, model.hidden_size
     f, d = model.ffn_hidden_size, model.head_dim
@@ -139,7 +152,7 @@ def layer_activation_bytes(
         split += a * s * model.seq_length * b * (elem_bytes + dropped)
     whole = 0
     if moe:
-        routed, experts, whole = moe_activation_bytes(model, s * b, elem_bytes)
+        routed, experts, whole = moe_activation_bytes(model, s * b, elem_bytes, expert_parallel)
         sequence_split, split = sequence_split + routed, split + experts
     if sequence_parallel:
         sequence_split = -(-sequence_split // tp_size)
@@ -152,9 +165,12 @@ def mlp_kept(model: ModelConfig, width: int) -> int:
     return fc1_width(model, width) + 2 * width if model.activation == "swiglu" else 2 * width
 
 
-def moe_activation_bytes(model: ModelConfig, tokens: int, elem_bytes: int) -> tuple[int, int, int]:
+def moe_activation_bytes(
+    model: ModelConfig, tokens: int, elem_bytes: int, expert_parallel: int = 1
+) -> tuple[int, int, int]:
     """(routed where the tokens are, split over TP, whole) bytes one MoE layer keeps for backward
-    in place of the dense MLP's, for ``tokens`` T (this rank's b*s/c): see the module docstring.
+    in place of the dense MLP's, for ``tokens`` T (this rank's b*s/c), its experts split over
+    ``expert_parallel`` EP ranks (balanced: T*k rows received): see the module docstring.
 
     The first term is what sequence parallelism splits (each rank routes its T/t tokens); the
     experts' and the shared expert's inner activations are split along their widths; the token
@@ -162,7 +178,7 @@ def moe_activation_bytes(model: ModelConfig, tokens: int, elem_bytes: int) -> tu
     TP rank (gathered under sequence parallelism).
     """
     h, e, k, experts = model.hidden_size, elem_bytes, model.moe_router_topk, model.num_experts
-    rows = tokens * k  # dropless: every token's k choices
+    rows = tokens * k  # dropless: every token's k choices (with EP, balanced: as many received)
     # fp32 scores [T, E] (softmax or sigmoid output), with the z-loss the logits [T, E] too;
     # the top-k choices [T, k] (int64); renormalised: the top-k scores [T, k] and their sum;
     # sigmoid: the scores' sum [T, 1].
@@ -179,6 +195,12 @@ def moe_activation_bytes(model: ModelConfig, tokens: int, elem_bytes: int) -> tu
     whole = (
         3 * rows * h * e + 4 * rows + (e * rows if e != 4 else 0) + 2 * 8 * rows + 2 * 4 * experts
     )
+    if expert_parallel > 1:
+        # the permuted rows go into the all-to-all, which keeps nothing: fc1's input is instead
+        # the received rows regrouped by local expert, and the rows returned [T*k, h] are kept
+        # too (the unpermute's source); int64 [T*k]: the regrouping; offsets of E/ep experts
+        local = experts // expert_parallel
+        whole += rows * h * e + 8 * rows - 2 * 4 * (experts - local)
     shared = model.moe_shared_expert_intermediate_size
     if shared is not None:
         split += tokens * mlp_kept(model, shared) * e
@@ -196,7 +218,8 @@ def moe_dispatch_bytes(
     """Transient bytes of one MoE layer's dispatch at its peak (0 for a dense model): two
     [T*k, h] tensors in the model dtype at once (forward: the weighted outputs before the sum
     over k beside the unpermuted ones; backward: the gradients of the unpermuted and of the
-    permuted rows), T = b*s/c tokens, whole on every TP rank."""
+    permuted rows), T = b*s/c tokens, whole on every TP rank. With expert parallelism the same
+    two at balanced routing (the rows sent beside the T*k received, and their way back)."""
     if not any(model.moe_layers):
         return 0
     tokens = micro_batch_size * model.seq_length // context_parallel

@@ -14,7 +14,11 @@ flat copy of the owned elements); weights and the whole fp32 gradient buffer sta
 as in Megatron's. With context parallelism d is DP x CP (the CP ranks hold replicas too).
 
 **Mixture of experts**: the experts' weights, gradients and optimizer state are per parameter as
-the dense ones (every TP rank holds its f_e/t slice of every expert: no expert parallelism). The
+the dense ones (every TP rank holds its f_e/t slice of every expert it holds). With **expert
+parallelism** (``parallel.expert_parallel_size`` ep) a GPU holds E/ep of each MoE layer's routed
+experts: their weights, their fp32 ``main_grad`` and their optimizer state count those only; the
+distributed optimizer shards them over their own replicas, the DP x CP / ep expert-data-parallel
+ranks (the dense parameters over DP x CP as before). The
 router's ``expert_bias`` buffers (``moe_router_enable_expert_bias``), fp32 [E] per MoE layer of
 the stage, stay for the run; one MoE layer's dispatch buffers (``moe_dispatch_bytes``) are
 transient and counted once, as ring attention's are.
@@ -128,10 +132,15 @@ def estimate_memory(
     e = DTYPE_BYTES[cfg.precision.dtype]
     binary_head = model_type == "bert" and cfg.bert.binary_head != "none"
     heads = (model_type, cfg.bert.num_tokentypes, cfg.bert.binary_head != "none")
-    stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads, chunks)
+    ep = cfg.parallel.expert_parallel_size
+    stage_params = stage_parameters(m, padded_vocab_size, tp, pp, stage, *heads, chunks, ep)
     params = stage_params.per_gpu
-    # The parameters whose fp32 main copy and moments this rank holds (sharded over DP x CP).
-    owned = -(-params // (dp_size * cp)) if cfg.parallel.distributed_optimizer else params
+    # The parameters whose fp32 main copy and moments this rank holds: the dense ones sharded
+    # over DP x CP, the routed experts over their DP x CP / ep replicas.
+    owned = params
+    if cfg.parallel.distributed_optimizer:
+        dense, experts = stage_params.dense_per_gpu, stage_params.experts_per_gpu
+        owned = -(-dense // (dp_size * cp)) + -(-experts // (dp_size * cp // ep))
     b = cfg.training.micro_batch_size
     tokens = m.seq_length // cp * b  # this rank's: two of each sample's 2*cp chunks
     sbh = tokens * m.hidden_size
@@ -159,7 +168,9 @@ def estimate_memory(
         head_side += e * b * m.hidden_size  # the pooled [CLS], the classifier's input
     # One layer's activations, dense or MoE (``model.moe_layers`` says which layer is which).
     layer = {
-        moe: layer_activation_bytes(m, b, tp, e, sequence_parallel=sp, context_parallel=cp, moe=moe)
+        moe: layer_activation_bytes(
+            m, b, tp, e, sequence_parallel=sp, context_parallel=cp, moe=moe, expert_parallel=ep
+        )
         for moe in set(m.moe_layers) | {False}
     }
     # Ring attention (CP > 1) never materialises the probabilities.

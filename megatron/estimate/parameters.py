@@ -29,6 +29,10 @@ layer, the E - k routed experts it is not sent to, (E - k)*(f_e' + f_e)*h. The r
 whole (every token scores every expert), and so does the vocabulary (embedding and output
 layer), as Mixtral's and Qwen's published "active" figures count them.
 
+**Expert parallelism** (``parallel.expert_parallel_size`` ep) splits each MoE layer's routed
+experts over ep of the DP x CP ranks: a GPU holds E/ep of them (and of those its 1/t TP slice),
+everything else as without EP (router, shared expert, attention, norms, embeddings).
+
 The router's ``expert_bias`` (``moe_router_enable_expert_bias``: fp32 [E] per MoE layer) is a
 buffer, not a parameter: megatron/estimate/memory.py counts its bytes.
 """
@@ -45,13 +49,16 @@ ModelType = Literal["gpt", "bert"]
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameters of the whole model (or a stage) at one TP size: split across TP ranks, or
-    whole on each; ``inactive`` of them (routed experts) a token's forward skips."""
+    """Parameters of the whole model (or a stage) at one TP (and EP) size: split across TP
+    ranks, or whole on each; ``inactive`` of them (routed experts) a token's forward skips;
+    ``experts`` of the split ones (the routed experts) also split over the ``ep_size`` EP ranks."""
 
     tp_size: int
     split: int  # held in 1/tp slices, one per TP rank (word embedding padded for this tp)
     replicated: int  # held whole by every TP rank (norms, row-parallel biases, positions, router)
     inactive: int = 0  # per MoE layer, the E - k routed experts a token is not sent to
+    experts: int = 0  # the routed experts' (part of ``split``): E*(f_e' + f_e)*h per MoE layer
+    ep_size: int = 1  # EP ranks the routed experts are split over (E/ep each)
 
     @property
     def total(self) -> int:
@@ -64,9 +71,21 @@ class ParamCount:
         return self.total - self.inactive
 
     @property
+    def experts_per_gpu(self) -> int:
+        """Routed-expert parameters one GPU holds: its TP slice of its E/ep experts."""
+        return self.experts // (self.tp_size * self.ep_size)
+
+    @property
     def per_gpu(self) -> int:
-        """Parameters one GPU holds: its slice of the split ones and all replicated ones."""
-        return self.split // self.tp_size + self.replicated
+        """Parameters one GPU holds: its slice of the split ones (of the routed experts, of its
+        E/ep) and all replicated ones."""
+        dense_split = (self.split - self.experts) // self.tp_size
+        return dense_split + self.experts_per_gpu + self.replicated
+
+    @property
+    def dense_per_gpu(self) -> int:
+        """``per_gpu`` less the routed experts: the parameters replicated over all DP x CP."""
+        return self.per_gpu - self.experts_per_gpu
 
 
 def norm_parameters(model: ModelConfig, dim: int) -> int:
@@ -128,10 +147,19 @@ def count_parameters(
     model_type: ModelType = "gpt",
     num_tokentypes: int = 2,
     binary_head: bool = True,
+    ep_size: int = 1,
 ) -> ParamCount:
     """The parameters of GPT (or BERT) with this shape; ``model`` must be resolved (ffn set)."""
     return stage_parameters(
-        model, padded_vocab_size, tp_size, 1, 0, model_type, num_tokentypes, binary_head
+        model,
+        padded_vocab_size,
+        tp_size,
+        1,
+        0,
+        model_type,
+        num_tokentypes,
+        binary_head,
+        ep_size=ep_size,
     )
 
 
@@ -145,6 +173,7 @@ def stage_parameters(
     num_tokentypes: int = 2,
     binary_head: bool = True,
     chunks: int = 1,
+    ep_size: int = 1,
 ) -> ParamCount:
     """The parameters pipeline stage ``stage`` of ``pp_size`` holds (see the module docstring):
     its layers (``stage_layers``, ``chunks`` virtual stages each), the embeddings on the first
@@ -153,11 +182,12 @@ def stage_parameters(
     h, v = model.hidden_size, padded_vocab_size
     first, last = stage == 0, stage == pp_size - 1
     moe_layers = model.moe_layers
-    split = replicated = inactive = 0
+    split = replicated = inactive = experts = 0
     for index in stage_layers(model.num_layers, pp_size, chunks, stage):
         layer_split, layer_replicated = layer_parameters(model, moe_layers[index])
         split, replicated = split + layer_split, replicated + layer_replicated
         if moe_layers[index]:
+            experts += model.num_experts * expert_parameters(model)
             skipped = model.num_experts - model.moe_router_topk
             inactive += skipped * expert_parameters(model)
     if first:
@@ -178,4 +208,4 @@ def stage_parameters(
             replicated += (h * h + h) + norm_parameters(model, h)
             if binary_head:
                 replicated += (h * h + h) + (2 * h + 2)
-    return ParamCount(tp_size, split, replicated, inactive)
+    return ParamCount(tp_size, split, replicated, inactive, experts, ep_size)

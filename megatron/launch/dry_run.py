@@ -166,7 +166,10 @@ def _report_memory(
     dtype, e = cfg.precision.dtype, DTYPE_BYTES[cfg.precision.dtype]
     moe, shared = any(m.moe_layers), m.moe_shared_expert_intermediate_size
     configured = {True: "   <- model.recompute=full", False: "   <- model.recompute=none"}
+    ep = cfg.parallel.expert_parallel_size
     shards = f"DP {dp_size}" if cp == 1 else f"DPxCP {dp_size * cp}"
+    if ep > 1:  # the routed experts' own replicas shard theirs
+        shards += f" | EDP {dp_size * cp // ep}"
     if cfg.parallel.distributed_optimizer:
         main, moments = f"4 B/param / {shards}", f"8 B/param / {shards}"
     else:
@@ -176,7 +179,7 @@ def _report_memory(
         (f"weights ({dtype}, {e} B/param)", mem.weights, ""),
         ("gradients (fp32 main_grad, 4 B/param)", mem.main_grads, ""),
         (f"fp32 main params ({main})", mem.main_params, ""),
-        (f"Adam moments (2 x fp32, {moments})", mem.adam_moments, ""),
+        (f"Adam moments ({'fp32' if ep > 1 else '2 x fp32'}, {moments})", mem.adam_moments, ""),
         (f"word embedding .grad ({dtype}, in backward)", mem.embedding_grad, ""),
         (f"logits + loss buffers, (e+4)*b*s*V/{'t' if cp == 1 else '(t*cp)'}", mem.logits, ""),
         (f"activations, no recomputation{sp}", mem.activations_no_recompute, ""),
@@ -200,6 +203,14 @@ def _report_memory(
     out.write(
         f"parameters: {whole.total:,} total; {mem.params.per_gpu:,} per GPU {where}at TP {tp} "
         f"({mem.params.split:,} split {tp} ways, {mem.params.replicated:,} replicated)\n"
+    )
+    if moe:
+        held, held_params = m.num_experts // ep, mem.params.experts_per_gpu
+        out.write(
+            f"routed experts per GPU {where}at EP {ep}: {held_params:,} parameters ({held} of "
+            f"{m.num_experts} experts per MoE layer, split {tp} ways)\n"
+        )
+    out.write(
         f"memory per GPU {where}for micro-batch {b}, seq {m.seq_length}{local}, e = {e} bytes per "
         "element:\n"
     )
@@ -243,6 +254,16 @@ def _report_memory(
             "    rank), the experts' SwiGLU terms (e*T*k*4*f_e/t), the routing weights and int64\n"
             "    indices, and the shared expert as a dense MLP of its width; dropless: T*k rows\n"
             "    through the experts per layer.\n"
+        )
+    if ep > 1:
+        edp = dp_size * cp // ep
+        out.write(
+            f"  expert parallelism: each GPU holds {m.num_experts // ep} of the {m.num_experts}"
+            f" routed experts of every MoE\n    layer (weights, main_grad, optimizer state;"
+            f" the distributed optimizer shards them over\n    DP x CP / EP = EDP {edp}"
+            " ranks); activations assume balanced routing (T*k rows received\n    per layer),"
+            " keeping the received rows regrouped, fc2's rows and the rows returned:\n"
+            "    4*e*T*k*h whole on every TP rank.\n"
         )
     if pp > 1:
         out.write(
@@ -307,8 +328,11 @@ def dry_run(
     pp, chunks = derived.pp_size, cfg.parallel.virtual_pipeline_size or 1
     pipeline = f" x PP {pp}" if pp > 1 else ""
     pipeline += f" x CP {cp}" if cp > 1 else ""
+    ep = cfg.parallel.expert_parallel_size
+    experts = f" (EP {ep} over DP x CP)" if ep > 1 else ""
     out.write(
-        f"dry run ({model_type}): world {world} = DP {derived.dp_size}{pipeline} x TP {tp}; "
+        f"dry run ({model_type}): world {world} = DP {derived.dp_size}{pipeline} x TP {tp}"
+        f"{experts}; "
         f"{derived.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step "
         f"on each rank; config valid\n"
     )
