@@ -287,15 +287,14 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     # docs/moe.md: expert parallelism on one 8-GPU node and on 64 GPUs
     "python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 141 parallel.tensor_parallel_size=4 parallel.pipeline_parallel_size=1 "
-    "parallel.expert_parallel_size=2 checkpoint.save=null": Run(),
+    "parallel.expert_parallel_size=2": Run(),
     "python pretrain_gpt.py --config configs/qwen3_30b_a3b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80 parallel.tensor_parallel_size=4 parallel.pipeline_parallel_size=1 "
-    "parallel.expert_parallel_size=2 model.recompute=full checkpoint.save=null": Run(),
+    "parallel.expert_parallel_size=2 model.recompute=full": Run(),
     "python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 64 "
-    "--gpu-memory-gb 80 parallel.pipeline_parallel_size=4 parallel.expert_parallel_size=8 "
-    "checkpoint.save=null": Run(),
+    "--gpu-memory-gb 80 parallel.pipeline_parallel_size=4 parallel.expert_parallel_size=8": Run(),
     "python pretrain_gpt.py --config configs/qwen3_30b_a3b.yaml --dry-run --world-size 64 "
-    "--gpu-memory-gb 80 parallel.expert_parallel_size=8 checkpoint.save=null": Run(),
+    "--gpu-memory-gb 80 parallel.expert_parallel_size=8": Run(),
     # docs/context_parallel.md: Llama 3 8B at 32K and 128K tokens
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80 model.seq_length=32768 model.max_position_embeddings=32768 "
