@@ -15,8 +15,8 @@ that each balancing method leaves after 50 iterations on the sample corpus.
   and 1e-2).
 - ``ep``: expert parallelism 2 against 1 (every rank every expert) at DP 2 and the same global
   batch, through the entrypoint (moe_tiny, h 256, experts of width 256): the median step time,
-  each rank's expert parameter bytes and the bytes the two ranks' one micro-batch hands to
-  all-to-all, each against its formula.
+  each rank's expert parameter bytes against the estimate's (``megatron.estimate``), and the
+  bytes the two ranks' one micro-batch hands to all-to-all against the formula.
 
 The two models of a timed row live in this process and their steps alternate, so a busy
 neighbour slows both alike; medians after warm-up. Prints one JSON line per row.
@@ -186,6 +186,7 @@ def _exchange(ep: int, shape: dict) -> dict:
     import torch.distributed as dist
 
     from megatron.config.load import load_config
+    from megatron.estimate.parameters import count_parameters
     from megatron.models.build import build_model
     from megatron.parallel.experts import is_expert
     from megatron.parallel.state import initialize
@@ -216,8 +217,8 @@ def _exchange(ep: int, shape: dict) -> dict:
     rows = b * s * m.moe_router_topk * m.hidden_size * 4  # one exchange of every routed row
     counts = m.num_experts * 8  # int64 counts per expert
     formula = layers * (counts + 4 * rows) if ep > 1 else 0  # two ways forward, two backward
-    held = m.num_experts // ep * 3 * m.expert_ffn_hidden_size * m.hidden_size * 4 * layers
-    return {"expert_bytes": expert_bytes, "expert_bytes_formula": held,
+    held = count_parameters(m, 512, 1, ep_size=ep).experts_per_gpu * 4  # fp32
+    return {"expert_bytes": expert_bytes, "expert_bytes_estimate": held,
             "all_to_all_bytes": sent[0], "all_to_all_formula": formula}  # fmt: skip
 
 
@@ -241,7 +242,7 @@ def ep_row() -> dict:
             # the m add up to the n, so the group's bytes are the formula's, a rank's are not.
             out[f"ep{ep}"] = {
                 "expert_bytes_per_rank": [r["expert_bytes"] for r in ranks],
-                "expert_bytes_formula": ranks[0]["expert_bytes_formula"],
+                "expert_bytes_estimate": ranks[0]["expert_bytes_estimate"],
                 "all_to_all_bytes": sum(r["all_to_all_bytes"] for r in ranks),
                 "all_to_all_formula": sum(r["all_to_all_formula"] for r in ranks),
             }

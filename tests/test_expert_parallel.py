@@ -1,6 +1,6 @@
 """Expert parallelism: moe_tiny with its experts split over EP ranks, through pretrain_gpt's
 ``training.main`` in real gloo processes (20 iterations, fp32, no dropout, auxiliary and z losses
-on), against one process: EP 2 and 4 within DP 4, EP2 at DP2, EP2 x PP2, EP2 x TP2 (with sequence
+on), against one process: EP 1, 2 and 4 within DP 4, EP2 at DP2, EP2 x PP2, EP2 x TP2 (with sequence
 parallelism: the experts split over TP inside each EP rank), EP2 x CP2 (EP carved from the CP
 ranks), EP2 with the distributed optimizer, overlapped parameter gathers and recomputation. The
 LM and auxiliary losses within 1e-5 relative, gradient norms within 1e-4 (float reduction order:
@@ -36,6 +36,7 @@ LAYOUTS = {  # name: (world size, overrides)
             "model.recompute": "full",
         },
     ),
+    "ep1_dp4": (4, {}),  # every rank every expert: the DP 4 the EP sizes below split
     "ep4_dp4": (4, EP4),
     "ep2_dp4": (4, EP2),
     "ep2_pp2": (4, {**EP2, "parallel.pipeline_parallel_size": 2}),
