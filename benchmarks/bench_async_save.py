@@ -26,14 +26,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.async_save import Checkpointer  # noqa: E402
+from megatron.checkpoint.train_state import Progress, TrainState  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
+from megatron.estimate.workload import Workload  # noqa: E402
 from megatron.models.build import build_model  # noqa: E402
 from megatron.optim.build import build_optimizer  # noqa: E402
 from megatron.optim.lr_schedule import LRSchedule  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402
-from megatron.training.metrics import MetricsLogger, Workload  # noqa: E402
-from megatron.training.train_state import Progress, TrainState  # noqa: E402
+from megatron.training.metrics import MetricsLogger  # noqa: E402
 
 VOCAB = 32000
 CONFIG = """

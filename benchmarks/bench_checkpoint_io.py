@@ -47,13 +47,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.checkpoint import Checkpointer, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron.checkpoint.format import checkpoint_name, read_meta, shard_file  # noqa: E402
 from megatron.checkpoint.reshard import shard_tensors  # noqa: E402
+from megatron.checkpoint.train_state import Progress, TrainState  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.models.build import build_model  # noqa: E402
 from megatron.optim.build import build_optimizer  # noqa: E402
 from megatron.optim.lr_schedule import LRSchedule  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import initialize, shutdown  # noqa: E402
-from megatron.training.train_state import Progress, TrainState  # noqa: E402
 
 LAYERS = 12
 CONFIG = """

@@ -16,8 +16,8 @@ import pytest
 
 from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint, streamed_file
 from megatron.checkpoint.async_save import Checkpointer
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.parallel.state import initialize
-from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
 

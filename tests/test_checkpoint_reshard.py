@@ -16,8 +16,8 @@ import torch
 from megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import read_meta
 from megatron.checkpoint.reshard import merge_shards, take_shard
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.parallel.state import initialize
-from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import (
     VOCAB,

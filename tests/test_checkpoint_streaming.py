@@ -16,8 +16,8 @@ from safetensors.torch import save as safetensors_save
 
 from megatron.checkpoint import load_checkpoint, save_checkpoint, streamed_file
 from megatron.checkpoint.format import read_meta, sha256_file
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.parallel.state import initialize
-from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, same, snapshot, tiny_config, train
 

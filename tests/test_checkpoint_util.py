@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import read_meta, shard_file, verify_checkpoint
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.errors import ConfigError
 from megatron.parallel.state import initialize
-from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_checkpointing import VOCAB, build, gathered, logits, same, tiny_config, train
 from tests.test_layers import close

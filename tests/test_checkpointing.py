@@ -16,6 +16,7 @@ import torch
 
 from megatron.checkpoint import candidates, find_latest, load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import read_meta, sha256_file, shard_file, verify_checkpoint
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config.load import load_config
 from megatron.config.schema import Config, padded_vocab_size
 from megatron.errors import ConfigError
@@ -24,7 +25,6 @@ from megatron.optim.build import build_optimizer
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import initialize
-from megatron.training.train_state import Progress, TrainState
 from tests.distributed import run_distributed
 from tests.test_layers import gather_param
 

@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 
 from megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import checkpoint_name, optim_file, read_meta, shard_file
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config.load import config_from_dict
 from megatron.errors import ConfigError
 from megatron.interop.ours import serial_model
 from megatron.optim.build import build_optimizer
 from megatron.parallel.data_parallel import DataParallel
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import Progress, TrainState
 from tests.test_checkpointing import VOCAB, build, same, tiny_config
 from tests.test_resume import losses, metric_lines, only_checkpoint, rel, save_lines, train
 from tools.checkpoint_util import main

@@ -33,7 +33,8 @@ from megatron.errors import ConfigError
 from megatron.estimate.activations import layer_activation_bytes
 from megatron.estimate.memory import GIB, estimate_memory, fits
 from megatron.estimate.parameters import count_parameters
-from megatron.launch.dry_run import check_indexed, dry_run
+from megatron.launch.data_checks import check_indexed
+from megatron.launch.dry_run import dry_run
 from tests.distributed import run_distributed
 from tests.model_config import tiny_model_config
 

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from megatron.checkpoint import find_checkpoint, load_checkpoint
+from megatron.checkpoint.train_state import TrainState
 from megatron.config.load import config_from_dict
 from megatron.config.schema import padded_vocab_size
 from megatron.inference.loading import model_type
@@ -31,7 +32,6 @@ from megatron.interop.verify import TOLERANCE, sample_inputs
 from megatron.models.build import build_model
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import TrainState
 from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 from tests.test_pretrain_bert import bert_data, bert_overrides  # noqa: F401 (a fixture)
 from tools.checkpoint_util import main as checkpoint_util

@@ -35,6 +35,7 @@ import yaml
 from safetensors.torch import load_file
 
 from megatron.checkpoint import find_checkpoint, load_checkpoint
+from megatron.checkpoint.train_state import TrainState
 from megatron.config.load import config_from_dict, load_config
 from megatron.config.schema import padded_vocab_size
 from megatron.data.splits import samples_per_split
@@ -48,7 +49,6 @@ from megatron.models.build import build_model
 from megatron.parallel.mappings import gather_from_tp
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState, initialize
-from megatron.training.train_state import TrainState
 from tests.distributed import run_distributed
 from tests.fixtures.llama3_tokenizer import EOS, write_llama3_style_tokenizer
 from tests.gpt_run import _tool, read_metrics, run_pretrain

@@ -18,7 +18,8 @@ from megatron.checkpoint.load import (
     iterations,
     load_checkpoint,
 )
-from megatron.checkpoint.save import save_checkpoint, save_offline
+from megatron.checkpoint.publish import save_offline
+from megatron.checkpoint.save import save_checkpoint
 
 __all__ = [
     "Checkpointer",

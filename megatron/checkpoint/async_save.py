@@ -31,9 +31,9 @@ from megatron.checkpoint.save import (
     save_checkpoint,
     write_and_publish,
 )
+from megatron.checkpoint.train_state import TrainState
 from megatron.config.schema import Config
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import TrainState
 
 
 class HostBuffers:

@@ -34,9 +34,9 @@ from megatron.checkpoint.format import (
 from megatron.checkpoint.reshard import read_state
 from megatron.checkpoint.rng import reseed, set_rng_state
 from megatron.checkpoint.stages import open_checkpoint
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.errors import ConfigError
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import Progress, TrainState
 
 logger = logging.getLogger("megatron.checkpoint.save")
 

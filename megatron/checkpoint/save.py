@@ -34,20 +34,18 @@ gathers the sums, writes meta.json, renames the directory into place, fsyncs ``s
 then replaces ``latest``; last it tells every rank how it went. A process killed at any point
 leaves ``latest`` naming the previous complete checkpoint. A save that fails leaves it too: rank 0
 removes the temporary directory once every rank is done with it, and where storage refused a write
-(a full or read-only disk) every rank raises the same one-line StorageError. Loading:
-megatron.checkpoint.load.
+(a full or read-only disk) every rank raises the same one-line StorageError. Publishing:
+megatron.checkpoint.publish; loading: megatron.checkpoint.load.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -59,34 +57,30 @@ from torch import Tensor
 
 from megatron.atomic_file import (
     free_bytes,
-    fsync_path,
     mib,
     refusal,
-    write_contents,
 )
 from megatron.checkpoint.format import (
     FORMAT_VERSION,
-    META,
     checkpoint_name,
     expert_file,
     optim_file,
     rng_file,
     shard_file,
 )
-from megatron.checkpoint.load import LATEST, find_latest, iterations
+from megatron.checkpoint.load import find_latest
+from megatron.checkpoint.publish import publish
 from megatron.checkpoint.reshard import expert_keys, padded_vocab, shard_tensors, tensor_layout
 from megatron.checkpoint.rng import rng_state
 from megatron.checkpoint.streamed_file import write_tensors
+from megatron.checkpoint.train_state import TrainState
 from megatron.config.schema import Config, to_dict
 from megatron.errors import StorageError
 from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
-# What killed saves leave behind: unpublished directories, set-aside copies, pointer temp files.
-_LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-.+")
 # Rank 0 waits in the gather for the slowest writer: a big shard on slow shared storage can
 # take many minutes, so far longer than a training collective may. A dead peer still fails it
 # at once (its sockets close).
@@ -94,46 +88,6 @@ COORDINATION_TIMEOUT = timedelta(minutes=30)
 # The coordination group, and the default group it was made beside (a new world needs a new one).
 _COORDINATION: dict[str, Any] = {}
 Files = dict[str, tuple[dict[str, Tensor], dict[str, str] | None]]
-
-
-def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None) -> str:
-    """Make the fully written, fsynced checkpoint in ``tmp`` the newest of ``save_dir``.
-
-    ``meta`` (with ``files``: every file's sha256) goes to meta.json; the directory is renamed
-    into place and ``save_dir`` fsynced; only then is ``latest`` replaced (if that fails, the
-    directory goes back to ``tmp`` before the error is raised). Last, checkpoints older than the
-    newest ``keep_last`` and leftovers of killed saves are removed. Returns the path.
-    """
-    write_contents(os.path.join(tmp, META), json.dumps(meta, indent=1) + "\n")
-    final = os.path.join(save_dir, checkpoint_name(meta["iteration"]))
-    aside = f"{final}.old-{tmp.rsplit('-', 1)[1]}"
-    if os.path.exists(final):
-        # Saving an iteration again (an exit right after resuming): the old copy steps aside,
-        # so no reader ever sees a directory that is half one save and half the other.
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    try:
-        fsync_path(save_dir)
-        write_contents(os.path.join(save_dir, LATEST), f"{meta['iteration']}\n")
-    except OSError:
-        # ``latest`` could not move (a full disk): unpublish, so the newest iter_* stays the
-        # one it names. Renames need no space.
-        os.rename(final, tmp)
-        if os.path.exists(aside):
-            os.rename(aside, final)
-        raise
-    for name in os.listdir(save_dir):
-        if _LEFTOVER.fullmatch(name):
-            path = os.path.join(save_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if keep_last:
-        older = [i for i in iterations(save_dir) if i < meta["iteration"]][::-1]
-        for it in older[keep_last - 1 :]:
-            path = os.path.join(save_dir, checkpoint_name(it))
-            # Renamed first: a deletion cut short must not leave a half-present iter_* behind.
-            os.rename(path, f"{path}.del-{os.getpid():x}")
-            shutil.rmtree(f"{path}.del-{os.getpid():x}")
-    return final
 
 
 def files_written_by(state: ParallelState, distributed_optimizer: bool = False) -> list[str]:
@@ -405,40 +359,3 @@ def save_checkpoint(
         # The writer threads copy the live tensors to the host on streams of their own.
         job.ready = torch.cuda.current_stream(state.device).synchronize
     return write_and_publish(job, group)
-
-
-def save_offline(
-    save_dir: str, meta: dict[str, Any], files: Iterable[tuple[str, dict[str, Tensor]]]
-) -> str:
-    """Publish a checkpoint composed in one process, without process groups (conversions,
-    imports), as the newest of ``save_dir``; returns its path.
-
-    ``files`` yields (name, tensors) one file at a time, so only one is held in memory; ``meta``
-    is meta.json, whose ``files`` (the sha256 of each file) are filled in here. Atomic like every
-    save: nothing appears under ``iter_*`` or in ``latest`` until every file is written, and a
-    save that fails removes its temporary directory. Where storage refused a write (a full or
-    read-only disk) that is a one-line StorageError naming the checkpoint, the bytes it needs
-    (``meta``'s ``tensors``, in each of its ``tp_size`` files) and those free.
-    """
-    final = os.path.join(save_dir, checkpoint_name(meta["iteration"]))
-    tmp = f"{final}.tmp-{secrets.token_hex(6)}"
-    try:
-        os.makedirs(tmp)
-        sums = {n: write_tensors(os.path.join(tmp, n), tensors) for n, tensors in files}
-        return publish(tmp, save_dir, {**meta, "files": sums}, keep_last=None)
-    except BaseException as error:
-        shutil.rmtree(tmp, ignore_errors=True)  # before the free bytes are counted
-        refused = refusal(error)
-        if refused is None:
-            raise
-        reason, fix = refused
-        needed = sum(
-            torch.Size(info["shape"]).numel()
-            * getattr(torch, info["dtype"]).itemsize
-            * (meta["tp_size"] if info["split_dim"] is None else 1)  # replicated: in every file
-            for info in meta["tensors"].values()
-        )
-        raise StorageError(
-            f"cannot write {final} ({reason}: needs about {mib(needed)}, "
-            f"{mib(free_bytes(save_dir))} free); nothing of it is left; {fix} or write it elsewhere"
-        ) from error

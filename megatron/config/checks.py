@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from megatron.config.model import ModelConfig
+from megatron.config.fixes import divisors, multiples
+from megatron.config.model_checks import check_decoder, check_moe
 from megatron.config.schema import TOKENIZER_FILES, Config, split_fractions, weighted_paths
 from megatron.errors import ConfigError
 
@@ -30,16 +31,6 @@ _NON_NEGATIVE = """model.init_method_std training.eval_iters training.test_iters
     optimizer.lr_warmup_init bert.num_tokentypes""".split()
 _FRACTION = """model.hidden_dropout model.attention_dropout optimizer.adam_beta1
     optimizer.adam_beta2 bert.masked_lm_prob bert.short_seq_prob""".split()  # in [0, 1)
-
-
-def _divisors(n: int) -> str:
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
-
-
-def _multiples(n: int, step: int) -> str:
-    """The multiples of ``step`` either side of ``n``, as 'a or b'."""
-    return " or ".join(str(x) for x in (n // step * step, (n // step + 1) * step) if x)
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -68,25 +59,25 @@ def check_world(cfg: Config, world_size: int) -> None:
     if world_size % tp:
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} does not divide the world size "
-            f"{world_size}; use {_divisors(world_size)} or launch a multiple of {tp}"
+            f"{world_size}; use {divisors(world_size)} or launch a multiple of {tp}"
         )
     if world_size % (tp * pp):
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} x parallel.pipeline_parallel_size={pp} = "
             f"{tp * pp} does not divide the world size {world_size}; launch a multiple of "
-            f"{tp * pp} GPUs or use a pipeline size of {_divisors(world_size // tp)}"
+            f"{tp * pp} GPUs or use a pipeline size of {divisors(world_size // tp)}"
         )
     if world_size % (tp * cp * pp):
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} x parallel.context_parallel_size={cp} x "
             f"parallel.pipeline_parallel_size={pp} = {tp * cp * pp} does not divide the world "
             f"size {world_size}; launch a multiple of {tp * cp * pp} GPUs or use a context "
-            f"parallel size of {_divisors(world_size // (tp * pp))}"
+            f"parallel size of {divisors(world_size // (tp * pp))}"
         )
     if heads % tp:
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} does not divide "
-            f"model.num_attention_heads={heads}; use {_divisors(heads)}"
+            f"model.num_attention_heads={heads}; use {divisors(heads)}"
         )
     mbs, gbs = cfg.training.micro_batch_size, cfg.training.global_batch_size
     derived = cfg.derived(world_size)
@@ -94,13 +85,13 @@ def check_world(cfg: Config, world_size: int) -> None:
     if replicas % ep:
         raise ConfigError(
             f"parallel.expert_parallel_size={ep} does not divide the DP x CP = {derived.dp_size}"
-            f" x {cp} = {replicas} ranks it is carved from; use {_divisors(replicas)}"
+            f" x {cp} = {replicas} ranks it is carved from; use {divisors(replicas)}"
         )
     dp, micro = derived.dp_size, derived.num_micro_batches
     if gbs % (mbs * dp):
         raise ConfigError(
             f"training.global_batch_size={gbs} is not a multiple of training."
-            f"micro_batch_size * DP = {mbs} * {dp}; use {_multiples(gbs, mbs * dp)}"
+            f"micro_batch_size * DP = {mbs} * {dp}; use {multiples(gbs, mbs * dp)}"
         )
     if virtual is not None and virtual > 1 and micro % pp:
         # The interleaved schedule sends micro-batches through the chunks in groups of pp.
@@ -108,7 +99,7 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"parallel.virtual_pipeline_size={virtual} needs the micro-batches per step, "
             f"training.global_batch_size / (micro_batch_size * DP) = {gbs} / ({mbs} * {dp}) = "
             f"{micro}, to be a multiple of parallel.pipeline_parallel_size={pp}; "
-            f"use a global_batch_size of {_multiples(gbs, mbs * dp * pp)}"
+            f"use a global_batch_size of {multiples(gbs, mbs * dp * pp)}"
         )
 
 
@@ -120,8 +111,8 @@ def _check_pipeline(cfg: Config) -> None:
     if layers % pp:
         raise ConfigError(
             f"model.num_layers={layers} does not divide into parallel.pipeline_parallel_size={pp} "
-            f"stages; use num_layers={_multiples(layers, pp)} or a pipeline size of "
-            f"{_divisors(layers)}"
+            f"stages; use num_layers={multiples(layers, pp)} or a pipeline size of "
+            f"{divisors(layers)}"
         )
     if virtual is None or virtual == 1:
         return
@@ -134,8 +125,8 @@ def _check_pipeline(cfg: Config) -> None:
         raise ConfigError(
             f"model.num_layers={layers} does not divide into parallel.pipeline_parallel_size={pp}"
             f" x parallel.virtual_pipeline_size={virtual} = {pp * virtual} chunks; use "
-            f"num_layers={_multiples(layers, pp * virtual)} or a virtual_pipeline_size of "
-            f"{_divisors(layers // pp)}"
+            f"num_layers={multiples(layers, pp * virtual)} or a virtual_pipeline_size of "
+            f"{divisors(layers // pp)}"
         )
 
 
@@ -149,155 +140,12 @@ def _check_context_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.context_parallel_size={cp} cuts model.seq_length={m.seq_length} into "
             f"2 x {cp} = {2 * cp} equal chunks; use a seq_length of "
-            f"{_multiples(m.seq_length, 2 * cp)}"
+            f"{multiples(m.seq_length, 2 * cp)}"
         )
     if m.attention_dropout > 0:
         raise ConfigError(
             f"model.attention_dropout={m.attention_dropout}: ring attention "
             f"(parallel.context_parallel_size={cp}) has no attention dropout; set it to 0"
-        )
-
-
-_ROPE_SCALING = "factor low_freq_factor high_freq_factor original_max_position_embeddings".split()
-
-
-def _check_decoder(cfg: Config) -> None:
-    """Query groups against heads and TP; RoPE's options; what BERT's tied head cannot take."""
-    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
-    heads, groups = m.num_attention_heads, m.query_groups
-    if heads % groups:
-        raise ConfigError(
-            f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}; "
-            f"use {_divisors(heads)}"
-        )
-    if groups % tp:
-        raise ConfigError(
-            f"model.num_query_groups={groups} is not divisible by parallel.tensor_parallel_size="
-            f"{tp}: each TP rank holds whole key/value groups; use a TP size of {_divisors(groups)}"
-        )
-    rope = m.position_embedding_type == "rope"
-    if not 0 < m.rotary_percent <= 1:
-        raise ConfigError(f"model.rotary_percent={m.rotary_percent} must be in (0, 1]; fix it")
-    rotated = int(m.head_dim * m.rotary_percent)
-    if rope and (rotated == 0 or rotated % 2):
-        raise ConfigError(
-            f"model.rotary_percent={m.rotary_percent} of head_dim {m.head_dim} rotates {rotated} "
-            "channels; RoPE rotates channel pairs: choose a percent that gives an even count"
-        )
-    scaling = m.rope_scaling
-    if scaling is not None and not rope:
-        raise ConfigError(
-            "model.rope_scaling scales RoPE's frequencies and needs "
-            "model.position_embedding_type=rope; set rope_scaling to null or use rope"
-        )
-    if scaling is not None and (
-        sorted(scaling) != sorted(_ROPE_SCALING)
-        or min(scaling.values()) <= 0
-        or scaling["high_freq_factor"] <= scaling["low_freq_factor"]
-    ):
-        raise ConfigError(
-            f"model.rope_scaling={scaling} must be Llama 3.1's {{{', '.join(_ROPE_SCALING)}}}, "
-            "all positive, high_freq_factor above low_freq_factor (Llama 3.1: 8, 1, 4, 8192)"
-        )
-    if m.type == "bert" and m.untie_embeddings_and_output_weights:
-        raise ConfigError(
-            "model.untie_embeddings_and_output_weights=true is for GPT: BERT's MLM head is tied "
-            "to the word embedding; set it to false"
-        )
-
-
-def _check_moe(cfg: Config) -> None:
-    """Mixture-of-experts options: top-k within the experts, the layer pattern, capacity, groups,
-    widths TP divides; ``moe_*`` keys only with experts to apply them to."""
-    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
-    experts, ep = m.num_experts, cfg.parallel.expert_parallel_size
-    if experts is None and ep > 1:
-        raise ConfigError(
-            f"parallel.expert_parallel_size={ep} splits experts, and model.num_experts is null "
-            "(a dense model); set it to 1"
-        )
-    if experts is not None and experts % ep:
-        raise ConfigError(
-            f"parallel.expert_parallel_size={ep} does not divide model.num_experts={experts}; "
-            f"use {_divisors(experts)}"
-        )
-    if experts is None:
-        changed = [
-            f"model.{name}"
-            for name, value in vars(ModelConfig(1, 1, 1, 1)).items()
-            if name.startswith("moe_") and getattr(m, name) != value
-        ]
-        if changed:
-            raise ConfigError(
-                f"{', '.join(changed)} set but model.num_experts is null (dense MLPs); set "
-                "num_experts or remove them"
-            )
-        return
-    if not 1 <= m.moe_router_topk <= experts:
-        raise ConfigError(
-            f"model.moe_router_topk={m.moe_router_topk} must be between 1 and model.num_experts"
-            f"={experts}; fix it"
-        )
-    freq = m.moe_layer_freq
-    if isinstance(freq, list) and (len(freq) != m.num_layers or set(freq) - {0, 1}):
-        raise ConfigError(
-            f"model.moe_layer_freq={freq} must hold one 0 or 1 per layer (model.num_layers="
-            f"{m.num_layers}); give {m.num_layers} entries, or an integer k (every k-th layer)"
-        )
-    if isinstance(freq, int) and freq < 1:
-        raise ConfigError(f"model.moe_layer_freq={freq} must be at least 1 (every k-th layer)")
-    factor = m.moe_expert_capacity_factor
-    if factor is not None and not factor > 0:
-        raise ConfigError(
-            f"model.moe_expert_capacity_factor={factor} must be positive; null is dropless"
-        )
-    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
-    if (groups is None) != (group_topk is None):
-        raise ConfigError(
-            "group-limited routing needs both model.moe_router_num_groups and "
-            "model.moe_router_group_topk (or neither); set the other"
-        )
-    if groups is not None:
-        if groups < 1 or experts % groups:
-            raise ConfigError(
-                f"model.moe_router_num_groups={groups} does not divide model.num_experts="
-                f"{experts} into equal groups; use {_divisors(experts)}"
-            )
-        if not 1 <= group_topk <= groups or m.moe_router_topk % group_topk:
-            raise ConfigError(
-                f"model.moe_router_group_topk={group_topk} must be between 1 and "
-                f"moe_router_num_groups={groups} and divide moe_router_topk={m.moe_router_topk}"
-            )
-        if m.moe_router_topk // group_topk > experts // groups:
-            raise ConfigError(
-                f"model.moe_router_topk={m.moe_router_topk} over moe_router_group_topk="
-                f"{group_topk} groups takes more experts per group than its {experts // groups}"
-            )
-    for key, width in (
-        ("moe_ffn_hidden_size", m.expert_ffn_hidden_size),
-        ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
-    ):
-        if width is not None and (width < 1 or width % tp):
-            raise ConfigError(
-                f"model.{key}={width} must be positive and divisible by "
-                f"parallel.tensor_parallel_size={tp}; use {_multiples(width, tp)}"
-            )
-    if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
-        raise ConfigError(
-            "model.moe_shared_expert_gate=true gates the shared expert; set "
-            "model.moe_shared_expert_intermediate_size too"
-        )
-    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be zero or positive")
-    if m.add_bias_linear:
-        raise ConfigError(
-            "model.add_bias_linear=true: experts carry no biases (as in Mixtral, Qwen-MoE and "
-            "DeepSeek); set add_bias_linear=false with model.num_experts (add_qkv_bias stays)"
-        )
-    if m.type == "bert":
-        raise ConfigError(
-            "model.num_experts is for GPT-family decoders (pretrain_gpt.py); BERT trains dense"
         )
 
 
@@ -328,15 +176,15 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model."
             f"num_attention_heads={m.num_attention_heads}; use "
-            f"{_multiples(m.hidden_size, m.num_attention_heads)}"
+            f"{multiples(m.hidden_size, m.num_attention_heads)}"
         )
     if m.ffn_hidden_size % tp:
         raise ConfigError(
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
-            f"tensor_parallel_size={tp}; use {_multiples(m.ffn_hidden_size, tp)}"
+            f"tensor_parallel_size={tp}; use {multiples(m.ffn_hidden_size, tp)}"
         )
-    _check_decoder(cfg)
-    _check_moe(cfg)
+    check_decoder(cfg)
+    check_moe(cfg)
     _check_pipeline(cfg)
     if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
         raise ConfigError(
@@ -355,7 +203,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
             f"parallel.tensor_parallel_size={tp} (x parallel.context_parallel_size={cp}); use a "
-            f"seq_length of {_multiples(m.seq_length, tp * cp)}, or set sequence_parallel=false"
+            f"seq_length of {multiples(m.seq_length, tp * cp)}, or set sequence_parallel=false"
         )
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(

@@ -244,6 +244,11 @@ class LoggingConfig:
         "online",
     )
 
+    @property
+    def uses_wandb(self) -> bool:
+        """Whether the run logs to W&B, and so needs the package."""
+        return bool(self.wandb_project) and self.wandb_mode != "disabled"
+
 
 @dataclass
 class Derived:

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron import checkpoint
 from megatron.checkpoint import find_checkpoint
+from megatron.checkpoint.train_state import TrainState
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import config_from_dict
 from megatron.config.schema import Config, padded_vocab_size
@@ -26,7 +27,6 @@ from megatron.parallel import state as parallel_state
 from megatron.parallel.launcher import launcher_env
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
-from megatron.training.train_state import TrainState
 
 # Megatron-style flags of generate.py and evaluate.py, and the config key each overrides.
 TOKENIZER_FLAGS = {

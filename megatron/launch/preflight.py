@@ -14,7 +14,6 @@ from megatron.config.checks import check_config, check_world
 from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
-from megatron.training.wandb_logger import wandb_wanted
 
 # Exported (=1) by the launch scripts once their --preflight, which prints the warnings, passed.
 PREFLIGHT_PASSED = "MEGATRON_PREFLIGHT_PASSED"
@@ -62,7 +61,7 @@ def _check_files(cfg: Config) -> int:
 def _check_packages(cfg: Config) -> None:
     """The optional packages the config asks for are installed (found, not imported: importing
     wandb costs every rank a second, and only rank 0 uses it)."""
-    if wandb_wanted(cfg) and importlib.util.find_spec("wandb") is None:
+    if cfg.logging.uses_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             f"logging.wandb_project={cfg.logging.wandb_project}: needs the wandb package; "
             "pip install wandb"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron.checkpoint.async_save import Checkpointer
+from megatron.checkpoint.train_state import LogWindow, TrainState
 from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
@@ -34,10 +35,9 @@ from megatron.parallel.pipeline.stage import PipelineStage, allreduce_tied_grads
 from megatron.parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy
-from megatron.training.metrics import LogWindow, MetricsLogger, gather_memory, memory_mb
+from megatron.training.metrics import MetricsLogger, gather_memory, memory_mb
 from megatron.training.profiling import Profiling
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
-from megatron.training.train_state import TrainState
 
 Batch = dict[str, Tensor]
 # forward_step(model, batch) -> each loss's sum and count (``LossSums``), which the library

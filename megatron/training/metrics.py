@@ -7,18 +7,18 @@ import json
 import math
 import os
 import resource
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.train_state import LogWindow
 from megatron.config.schema import Config
-from megatron.estimate.flops import flops_per_iteration
+from megatron.estimate.workload import Workload
 from megatron.logging import log
 from megatron.optim.optimizer import StepResult
 from megatron.parallel.state import ParallelState
-from megatron.training.wandb_logger import WandbRun, wandb_wanted
+from megatron.training.wandb_logger import WandbRun
 
 # The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
 # first number after "peak memory (MB): " stays rank 0's, as tools/gpu_check reads it).
@@ -84,47 +84,6 @@ class _NullWriter:
         pass
 
 
-@dataclass
-class LogWindow:
-    """The iterations since the last training line: metric sums (each iteration's value already
-    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps. It travels
-    in checkpoints, so a run resumed mid-window writes the lines of one that never stopped."""
-
-    steps: int = 0
-    sums: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    skipped: int = 0
-    nans: int = 0
-
-    def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
-        self.steps += 1
-        for name, value in values.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
-        self.seconds += seconds
-        self.skipped += skipped
-        self.nans += nan
-
-    def means(self) -> dict[str, float]:
-        return {name: total / self.steps for name, total in self.sums.items()}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one iteration does, for the throughput fields of a training line."""
-
-    train_iters: int
-    tokens_per_iter: int  # over all ranks
-    flops_per_iter: float  # over all ranks
-    world_size: int
-
-    @classmethod
-    def of(cls, cfg: Config, padded_vocab_size: int, world_size: int) -> Workload:
-        m, t = cfg.model, cfg.training
-        flops = flops_per_iteration(m, padded_vocab_size, t.global_batch_size)
-        tokens = t.global_batch_size * m.seq_length
-        return cls(t.train_iters, tokens, flops, world_size)
-
-
 class MetricsLogger:
     """TensorBoard scalars (Megatron's names, each with a ``vs samples`` twin), the same in W&B
     when ``cfg`` asks for it, JSON lines, and the console lines of training and validation."""
@@ -144,7 +103,7 @@ class MetricsLogger:
         self.wandb: WandbRun | None = None
         if not enabled:
             return
-        if cfg is not None and wandb_wanted(cfg):
+        if cfg is not None and cfg.logging.uses_wandb:
             self.wandb = WandbRun(cfg)
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter

@@ -25,6 +25,7 @@ import torch
 
 from megatron import checkpoint
 from megatron.atomic_file import write_contents
+from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import parse_args
 from megatron.config.schema import Config, to_yaml
@@ -34,6 +35,7 @@ from megatron.data.splits import samples_per_split
 from megatron.data.token_range import check_data_ids
 from megatron.data.tokenizers.factory import Tokenizer, build_tokenizer
 from megatron.errors import ConfigError
+from megatron.estimate.workload import Workload
 from megatron.launch.heartbeat import PEER_FAILURE, Heartbeat
 from megatron.launch.preflight import PREFLIGHT_PASSED, validate
 from megatron.launch.run_lock import NO_LOCK, NoLock, RunLock, hold_save_dir
@@ -50,8 +52,7 @@ from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy, ExitSignal
 from megatron.training.loop import Batch, ForwardStep, TrainLoop
-from megatron.training.metrics import MetricsLogger, Workload
-from megatron.training.train_state import Progress, TrainState
+from megatron.training.metrics import MetricsLogger
 
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
 

@@ -15,11 +15,6 @@ from megatron.config.schema import Config, to_dict
 RUN_ID_FILE = "wandb_run_id"
 
 
-def wandb_wanted(cfg: Config) -> bool:
-    """Whether the run logs to W&B, and so needs the package."""
-    return bool(cfg.logging.wandb_project) and cfg.logging.wandb_mode != "disabled"
-
-
 def _run_id(save_dir: str) -> str:
     """The id recorded in ``save_dir``, or a new one recorded there first."""
     path = os.path.join(save_dir, RUN_ID_FILE)

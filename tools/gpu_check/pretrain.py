@@ -17,7 +17,7 @@ from typing import Any
 from megatron.config.load import load_config
 from megatron.estimate.device_peaks import bf16_peak_tflops, mfu
 from megatron.estimate.memory import GIB, estimate_memory
-from megatron.training.metrics import Workload
+from megatron.estimate.workload import Workload
 from tools.gpu_check.environment import ROOT, device_name
 from tools.gpu_check.runner import run_command
 

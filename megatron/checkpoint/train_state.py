@@ -11,7 +11,30 @@ from torch import nn
 from megatron.optim.lr_schedule import LRSchedule
 from megatron.optim.optimizer import MainParamOptimizer
 from megatron.parallel.random import RNGTracker
-from megatron.training.metrics import LogWindow
+
+
+@dataclass
+class LogWindow:
+    """The iterations since the last training line: metric sums (each iteration's value already
+    averaged over DP, so equal on every rank), seconds, skipped and non-finite steps. It travels
+    in checkpoints, so a run resumed mid-window writes the lines of one that never stopped."""
+
+    steps: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: int = 0
+    nans: int = 0
+
+    def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
+        self.steps += 1
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.seconds += seconds
+        self.skipped += skipped
+        self.nans += nan
+
+    def means(self) -> dict[str, float]:
+        return {name: total / self.steps for name, total in self.sums.items()}
 
 
 @dataclass
