@@ -225,13 +225,13 @@ def test_required_key_and_invalid_yaml(tmp_path):
             ],
             3,
             "parallel.tensor_parallel_size=3 does not divide model.num_attention_heads=16; "
-            "use 1, 2, 4, 8 or 16",
+            "use a TP size that divides both 16 and the world size 3",
         ),
         (
             [],
             3,
-            "parallel.tensor_parallel_size=2 does not divide the world size 3; use 1 or 3 or "
-            "launch a multiple of 2",
+            "parallel.tensor_parallel_size=2 does not divide the world size 3; "
+            "launch a multiple of 2 processes",
         ),
         (
             ["parallel.pipeline_parallel_size=4"],
@@ -281,7 +281,7 @@ def test_required_key_and_invalid_yaml(tmp_path):
             ["training.global_batch_size=20"],
             4,
             "training.global_batch_size=20 is not a multiple of training.micro_batch_size * DP = "
-            "4 * 2; use 16 or 24",
+            "4 * 2; use training.global_batch_size=16 or 24",
         ),
         (
             ["model.seq_length=256"],
@@ -304,7 +304,7 @@ def test_required_key_and_invalid_yaml(tmp_path):
             ["training.train_iters=300", "optimizer.lr_warmup_iters=300"],
             2,
             "optimizer.lr_warmup_iters=300 must be below optimizer.lr_decay_iters=300 (default: "
-            "training.train_iters); shorten the warmup",
+            "training.train_iters); use optimizer.lr_warmup_iters=0, 30 or 299",
         ),
         (["training.micro_batch_size=0"], 2, "training.micro_batch_size=0 must be positive"),
         (["model.hidden_dropout=1.5"], 2, "model.hidden_dropout=1.5 must be in [0, 1)"),

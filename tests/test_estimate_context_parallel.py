@@ -352,7 +352,7 @@ def _entrypoint(*args: str) -> subprocess.CompletedProcess:
         (
             ["--world-size", "8", "parallel.context_parallel_size=4", "model.seq_length=8196"],
             "error: parallel.context_parallel_size=4 cuts model.seq_length=8196 into 2 x 4 = 8 "
-            "equal chunks; use a seq_length of ",
+            "equal chunks; use model.seq_length=8184 or 8192",
         ),
         (
             ["--world-size", "12", "parallel.context_parallel_size=4"],

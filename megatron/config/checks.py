@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from megatron.config.fixes import divisors, multiples
+from megatron.config.fixes import divisor_list, divisors, either, multiple_list, multiples
 from megatron.config.model_checks import check_decoder, check_moe
 from megatron.config.schema import TOKENIZER_FILES, Config, split_fractions, weighted_paths
 from megatron.errors import ConfigError
@@ -47,6 +48,51 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be in [0, 1); fix the value")
 
 
+# While a hint's values are tried, the checks they fail word their refusals without hints of
+# their own (a search inside a search).
+_TRYING = [False]
+
+
+def _working(cfg: Config, key: str, values: list[int], world_size: int | None = None) -> list[int]:
+    """Those of ``values`` that, set as ``key``, pass every check (the world's too, at
+    ``world_size``): a hint never suggests what the next check refuses."""
+    if _TRYING[0]:
+        return values
+    section, name = key.split(".")
+    found = []
+    _TRYING[0] = True
+    try:
+        for value in values:
+            part = dataclasses.replace(getattr(cfg, section), **{name: value})
+            tried = dataclasses.replace(cfg, **{section: part})
+            try:
+                check_config(tried)
+                if world_size is not None:
+                    check_world(tried, world_size)
+            except ConfigError:
+                continue
+            found.append(value)
+    finally:
+        _TRYING[0] = False
+    return found
+
+
+def _use(
+    cfg: Config,
+    key: str,
+    values: list[int],
+    world_size: int | None,
+    fallback: str,
+    near: int | None = None,
+) -> str:
+    """'use key=a, b or c' of the ``values`` of ``key`` that work (the two nearest ``near``
+    where given), else ``fallback``."""
+    works = _working(cfg, key, values, world_size)
+    if near is not None:
+        works = sorted(sorted(works, key=lambda v: (abs(v - near), v))[:2])
+    return f"use {key}={either(works)}" if works else fallback
+
+
 def check_world(cfg: Config, world_size: int) -> None:
     """The checks that need the world size: tp * cp * pp | world, tp | heads, mbs * dp | gbs,
     and the interleaved schedule's micro-batches a multiple of pp."""
@@ -57,9 +103,11 @@ def check_world(cfg: Config, world_size: int) -> None:
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1; fix --world-size")
     if world_size % tp:
+        launch = f"launch a multiple of {tp} processes"
+        use = _use(cfg, "parallel.tensor_parallel_size", divisor_list(world_size), world_size, "")
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} does not divide the world size "
-            f"{world_size}; use {divisors(world_size)} or launch a multiple of {tp}"
+            f"{world_size}; {f'{use} or {launch}' if use else launch}"
         )
     if world_size % (tp * pp):
         raise ConfigError(
@@ -68,16 +116,24 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"{tp * pp} GPUs or use a pipeline size of {divisors(world_size // tp)}"
         )
     if world_size % (tp * cp * pp):
+        launch = f"launch a multiple of {tp * cp * pp} processes"
+        fixes = [
+            _use(cfg, key, divisor_list(world_size), world_size, "")
+            for key in ("parallel.context_parallel_size", "parallel.tensor_parallel_size")
+        ]
+        fixes = [f for f in fixes if f]
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} x parallel.context_parallel_size={cp} x "
             f"parallel.pipeline_parallel_size={pp} = {tp * cp * pp} does not divide the world "
-            f"size {world_size}; launch a multiple of {tp * cp * pp} GPUs or use a context "
-            f"parallel size of {divisors(world_size // (tp * pp))}"
+            f"size {world_size}; {', or '.join([*fixes, launch])}"
         )
     if heads % tp:
+        fallback = f"use a TP size that divides both {heads} and the world size {world_size}"
+        tps = [t for t in divisor_list(heads) if world_size % t == 0]
         raise ConfigError(
             f"parallel.tensor_parallel_size={tp} does not divide "
-            f"model.num_attention_heads={heads}; use {divisors(heads)}"
+            f"model.num_attention_heads={heads}; "
+            + _use(cfg, "parallel.tensor_parallel_size", tps, world_size, fallback)
         )
     mbs, gbs = cfg.training.micro_batch_size, cfg.training.global_batch_size
     derived = cfg.derived(world_size)
@@ -89,9 +145,12 @@ def check_world(cfg: Config, world_size: int) -> None:
         )
     dp, micro = derived.dp_size, derived.num_micro_batches
     if gbs % (mbs * dp):
+        sizes = multiple_list(gbs, mbs * dp)
+        fallback = f"use a multiple of {mbs * dp}"
         raise ConfigError(
             f"training.global_batch_size={gbs} is not a multiple of training."
-            f"micro_batch_size * DP = {mbs} * {dp}; use {multiples(gbs, mbs * dp)}"
+            f"micro_batch_size * DP = {mbs} * {dp}; "
+            + _use(cfg, "training.global_batch_size", sizes, world_size, fallback, gbs)
         )
     if virtual is not None and virtual > 1 and micro % pp:
         # The interleaved schedule sends micro-batches through the chunks in groups of pp.
@@ -137,10 +196,13 @@ def _check_context_parallel(cfg: Config) -> None:
     if cp == 1:
         return
     if m.seq_length % (2 * cp):
+        lengths = multiple_list(m.seq_length, 2 * cp)
         raise ConfigError(
             f"parallel.context_parallel_size={cp} cuts model.seq_length={m.seq_length} into "
-            f"2 x {cp} = {2 * cp} equal chunks; use a seq_length of "
-            f"{multiples(m.seq_length, 2 * cp)}"
+            f"2 x {cp} = {2 * cp} equal chunks; "
+            + _use(
+                cfg, "model.seq_length", lengths, None, f"use a multiple of {2 * cp}", m.seq_length
+            )
         )
     if m.attention_dropout > 0:
         raise ConfigError(
@@ -200,10 +262,13 @@ def check_config(cfg: Config) -> None:
     _check_profiling(cfg)
     cp = cfg.parallel.context_parallel_size
     if cfg.parallel.sequence_parallel and m.seq_length % (tp * cp):
+        lengths = multiple_list(m.seq_length, tp * cp)
+        fallback = f"use a multiple of {tp * cp}"
+        fix = _use(cfg, "model.seq_length", lengths, None, fallback, m.seq_length)
         raise ConfigError(
             f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
-            f"parallel.tensor_parallel_size={tp} (x parallel.context_parallel_size={cp}); use a "
-            f"seq_length of {multiples(m.seq_length, tp * cp)}, or set sequence_parallel=false"
+            f"parallel.tensor_parallel_size={tp} (x parallel.context_parallel_size={cp}); "
+            f"{fix}, or set sequence_parallel=false"
         )
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(
@@ -235,10 +300,11 @@ def check_config(cfg: Config) -> None:
             f"{o.lr_warmup_init} must not exceed optimizer.lr={o.lr}; lower them"
         )
     if o.lr_decay_style != "constant" and o.lr_warmup_iters >= o.lr_decay_iters:
+        warmups = sorted({0, o.lr_decay_iters // 10, o.lr_decay_iters - 1} - {-1})
+        fix = _use(cfg, "optimizer.lr_warmup_iters", warmups, None, "shorten the warmup")
         raise ConfigError(
             f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below optimizer."
-            f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); "
-            "shorten the warmup"
+            f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); {fix}"
         )
     ckpt = cfg.checkpoint
     if ckpt.finetune and not ckpt.load:
