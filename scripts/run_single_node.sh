@@ -29,7 +29,7 @@
 # is torchrun's, which is the ranks' own (a signal that comes before the ranks have started
 # reaches none of them). A collective that fails or times out ends the process
 # (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) after dumping the flight recorder
-# (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_NCCL_TRACE_BUFFER_SIZE=2000); set them to override.
+# (TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_BUFFER_SIZE=2000); set them to override.
 set -euo pipefail
 
 if (($# < 1)); then
@@ -80,7 +80,7 @@ fi
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 
 # The checks training runs before its first collective, in one process: exit 2 on a mistake.
 "$PYTHON" "$ENTRYPOINT" --preflight --world-size "$NPROC" --config "$CONFIG" "$@"

@@ -356,6 +356,15 @@ def test_files_must_exist(tmp_path):
         2,
     )
     assert msg.startswith(f"checkpoint.load: {missing} not found")
+    missing.write_text("a file, not a checkpoint directory")
+    msg = error_of(
+        validate,
+        dataclasses.replace(
+            with_tok, checkpoint=dataclasses.replace(cfg.checkpoint, load=str(missing))
+        ),
+        2,
+    )
+    assert msg.startswith(f"checkpoint.load: {missing} is a file; give the save directory")
     hdf5 = dataclasses.replace(
         with_tok,
         data=dataclasses.replace(cfg.data, format="hdf5", paths=[str(tmp_path / "shards")]),

@@ -105,7 +105,7 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
     step_env = dict(kv.split("=", 1) for kv in (log / "srun.env").read_text().split("\0") if kv)
     assert step_env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert step_env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert step_env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert step_env["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert step_env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl" / "trace_")
     assert (tmp_path / "nccl").is_dir()  # torch writes the dumps, but not the directory
     assert step_env[PREFLIGHT_PASSED] == "1"  # the workers leave the preflight's warnings out

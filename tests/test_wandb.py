@@ -108,3 +108,23 @@ def test_missing_package_is_one_line_before_training(gpt_data, tmp_path):
         "error: logging.wandb_project=demo: needs the wandb package; pip install wandb"
     ]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_online_without_an_api_key_is_one_line_before_training(gpt_data, tmp_path, monkeypatch):
+    """wandb installed, online mode, no WANDB_API_KEY and no netrc entry: one line naming the
+    three ways out, exit 2, before any process group (no metrics file, no W&B directory)."""
+    overrides = tiny_overrides(gpt_data, tmp_path, **TP1, **{"logging.wandb_project": "demo"})
+    env = {**wandb_env(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "no-netrc")}
+    proc = run_pretrain("pretrain_gpt.py", CONFIG, overrides, env=env, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: logging.wandb_project=demo logs online, and W&B has no API key here; run "
+        "`wandb login`, set WANDB_API_KEY, or set logging.wandb_mode=offline"
+    ]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    from megatron.launch.preflight import _wandb_logged_in
+
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert _wandb_logged_in()  # what `wandb login` writes counts as logged in

@@ -74,7 +74,7 @@ def missing_files(cfg: Config) -> list[str]:
             missing += [p for p in (index_path(prefix), data_path(prefix)) if not os.path.exists(p)]
         elif not glob.glob(prefix):  # hdf5: a shard file, a folder of them or a glob
             missing.append(prefix)
-    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+    if cfg.checkpoint.load and not os.path.exists(cfg.checkpoint.load):
         missing.append(cfg.checkpoint.load)
     return missing
 

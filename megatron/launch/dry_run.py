@@ -50,7 +50,7 @@ from megatron.launch.data_checks import (
     missing_files,
     vocab_size,
 )
-from megatron.launch.preflight import validate
+from megatron.launch.preflight import check_load_path, validate
 from megatron.parallel.pipeline.timeline import ideal_bubble
 
 
@@ -75,7 +75,7 @@ def _report_memory(
     if cfg.parallel.distributed_optimizer:
         main, moments = f"4 B/param / {shards}", f"8 B/param / {shards}"
     else:
-        main, moments = "4 B/param; none in fp32", "8 B/param"
+        main, moments = "4 B/param; 0 when the weights are fp32, their own main", "8 B/param"
     sp = " (seq-parallel)" if cfg.parallel.sequence_parallel else ""
     rows = [
         (f"weights ({dtype}, {e} B/param)", mem.weights, ""),
@@ -223,6 +223,7 @@ def dry_run(
     cp = cfg.parallel.context_parallel_size
     world = args.world_size or tp * cp * pp
     validate(cfg, world, check_files=False)
+    check_load_path(cfg, missing_ok=True)  # a file where a directory belongs is an error here too
     missing = missing_files(cfg)
     warnings = [] if missing else validate(cfg, world, check_files=True)
     split_counts = check_hdf5_splits(cfg, missing)

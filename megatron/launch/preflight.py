@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import netrc
 import os
+import urllib.parse
 
 import numpy as np
 
@@ -19,6 +21,24 @@ from megatron.estimate.checkpoint_size import checkpoint_bytes
 PREFLIGHT_PASSED = "MEGATRON_PREFLIGHT_PASSED"
 
 
+def check_load_path(cfg: Config, missing_ok: bool = False) -> None:
+    """``checkpoint.load`` names a directory (a save directory or one ``iter_*``); with
+    ``missing_ok`` (the dry run, whose data may live elsewhere) a path absent here passes."""
+    load = cfg.checkpoint.load
+    if not load or os.path.isdir(load):
+        return
+    if os.path.exists(load):
+        raise ConfigError(
+            f"checkpoint.load: {load} is a file; give the save directory (holding latest and "
+            "iter_*) or one iter_* directory"
+        )
+    if not missing_ok:
+        raise ConfigError(
+            f"checkpoint.load: {load} not found; fix the path or set checkpoint.load=null to "
+            "start from scratch"
+        )
+
+
 def _check_files(cfg: Config) -> int:
     """Data, tokenizer and checkpoint paths exist, and the token dtype holds every token id;
     returns the tokenizer's vocabulary size."""
@@ -27,11 +47,7 @@ def _check_files(cfg: Config) -> int:
         # exists, not isfile: a HF tokenizer may be given as its directory
         if not os.path.exists(getattr(tok, key)):
             raise ConfigError(f"tokenizer.{key}: {getattr(tok, key)} not found; fix the path")
-    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
-        raise ConfigError(
-            f"checkpoint.load: {cfg.checkpoint.load} not found; fix the path or set "
-            "checkpoint.load=null to start from scratch"
-        )
+    check_load_path(cfg)
     prefixes = [p for _, p in weighted_paths(cfg.data.paths)]
     if cfg.data.format == "hdf5":
         # The reader's own resolution (directory, glob or file), so the check accepts exactly
@@ -66,6 +82,25 @@ def _check_packages(cfg: Config) -> None:
             f"logging.wandb_project={cfg.logging.wandb_project}: needs the wandb package; "
             "pip install wandb"
         )
+    online = cfg.logging.wandb_mode == "online" and os.environ.get("WANDB_MODE") != "offline"
+    if cfg.logging.uses_wandb and online and not _wandb_logged_in():
+        raise ConfigError(
+            f"logging.wandb_project={cfg.logging.wandb_project} logs online, and W&B has no API "
+            "key here; run `wandb login`, set WANDB_API_KEY, or set logging.wandb_mode=offline"
+        )
+
+
+def _wandb_logged_in() -> bool:
+    """Whether W&B finds an API key: WANDB_API_KEY, or the netrc entry ``wandb login`` writes
+    for its host (without importing wandb)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _existing(path: str) -> str:

@@ -65,7 +65,7 @@
 #   NCCL_SOCKET_IFNAME=ib0           interface for NCCL's bootstrap and socket transport
 #   NCCL_IB_HCA=mlx5 / NCCL_IB_DISABLE=1   which InfiniBand adapters; 1 forces TCP (to bisect)
 #   NCCL_P2P_DISABLE=1               no NVLink/PCIe peer copies (to bisect intra-node hangs)
-#   TORCH_NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_TRACE_BUFFER_SIZE,
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_BUFFER_SIZE,
 #   TORCH_NCCL_DEBUG_INFO_TEMP_FILE  set below (fail fast, flight recorder); yours take precedence
 #   TORCH_DISTRIBUTED_DEBUG=DETAIL   checks that every rank calls the same collectives
 #   TORCH_CPP_LOG_LEVEL=INFO LOGLEVEL=INFO   c10d store and torchrun rendezvous messages
@@ -190,7 +190,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # before sbatch to override.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 TRACE_PREFIX=$PWD/logs/nccl_trace_${JOB_ID}_rank_ # torch appends the rank
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TRACE_PREFIX}
 
