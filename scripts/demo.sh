@@ -28,3 +28,18 @@ $PY tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split valid
 echo "== greedy sample"
 $PY tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "Return the number of" \
     --max-new-tokens 40
+echo
+cat <<'SUMMARY'
+== what the demo wrote
+  data/                            the sample corpus, tokenizer (tokenizer.model) and .bin/.idx
+  runs/gpt_tiny/checkpoints/       checkpoints (latest names the newest) and resolved_config.yaml
+  runs/gpt_tiny/metrics.jsonl      one JSON line per logged iteration and per evaluation
+  runs/gpt_tiny/tensorboard/       TensorBoard events: tensorboard --logdir runs/gpt_tiny
+The training line's validation perplexity covers training.eval_iters batches of the validation
+split; evaluate.py above scored all of it, so the two differ a little.
+== next
+  bash scripts/demo.sh training.train_iters=400          # resumes from the checkpoint, 200 more
+  torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config configs/moe_tiny.yaml
+  python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 --gpu-memory-gb 80
+  README.md and docs/ for the rest (docs/moe.md, docs/llama.md, docs/huggingface.md)
+SUMMARY

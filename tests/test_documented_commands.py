@@ -401,6 +401,11 @@ def _what_runs(command: str, check: Run | Instead) -> str:
 
 
 DOCUMENTED = documented_commands()
+# What a command's output must show besides succeeding.
+SHOWS = {
+    "python3 -m venv .venv && .venv/bin/pip install -q -r requirements.txt && "
+    "PYTHON=.venv/bin/python bash scripts/demo.sh": "== what the demo wrote",
+}
 
 
 def test_every_documented_command_has_a_check():
@@ -425,3 +430,4 @@ def test_documented_command_works(command, workspace):
     output = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, f"{where}: `{command}` exited {done.returncode}\n{output}"
     assert "Traceback" not in done.stderr, f"{where}: `{command}`\n{done.stderr[-3000:]}"
+    assert SHOWS.get(command, "") in done.stdout, f"{where}: `{command}`\n{output}"

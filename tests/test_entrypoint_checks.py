@@ -88,6 +88,25 @@ def test_a_gpt_run_prints_and_saves_only_gpt_sections(one_step):
 
 
 @pytest.mark.slow
+def test_runs_that_train_nothing_leave_the_recorded_config(gpt_data, tmp_path):
+    """A run with nothing left to do, or refused by the checkpoint it would resume, does not
+    rewrite the save directory's resolved_config.yaml (its checkpoints' config)."""
+    save = {"checkpoint.save": tmp_path / "ckpt"}
+    _run(gpt_data, tmp_path, **save)
+    written = tmp_path / "ckpt" / "resolved_config.yaml"
+    before = written.read_text()
+    done = _run(gpt_data, tmp_path, **save, **{"logging.log_interval": 7})  # nothing to do
+    assert "nothing to do" in done.stdout + done.stderr
+    keys = {**save, "training.train_iters": 2, "model.hidden_size": 96}  # another model
+    keys |= {"training.eval_iters": 0, "optimizer.lr_warmup_iters": 0}
+    keys |= {"parallel.tensor_parallel_size": 1}
+    overrides = tiny_overrides(gpt_data, tmp_path, **keys)
+    refused = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, check=False)
+    assert refused.returncode != 0 and "checkpoint's model.* settings" in refused.stderr
+    assert written.read_text() == before
+
+
+@pytest.mark.slow
 def test_fp16_on_cpu_is_one_warning(one_step):
     out, _ = one_step
     output = out.stdout + out.stderr

@@ -159,8 +159,6 @@ def _train(
     """Build everything, resume if there is a checkpoint, run the loop."""
     derived = cfg.derived(state.world_size)
     config_text = to_yaml(cfg)
-    if state.rank == 0:
-        _record_config(cfg, config_text)
     m, t = cfg.model, cfg.training
     log.info(
         "%s: %d layers x %d hidden, %d heads, seq %d, %s; world %d = dp %d x pp %d x cp %d x "
@@ -243,6 +241,10 @@ def _train(
             cfg.training.train_iters,
         )
         return 0
+    if state.rank == 0:
+        # Only now: a run refused by its checkpoint, or with nothing to do, leaves the save
+        # directory's record of the config that wrote its checkpoints alone.
+        _record_config(cfg, config_text)
     optimizer.set_lr(schedule.lr)
     train_iter, valid_iter, test_iter = _data(cfg, state, datasets_provider, tokenizer, progress)
 
