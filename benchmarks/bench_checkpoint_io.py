@@ -5,7 +5,7 @@ state is its weights and both moments, ~1.2 GB at the default size (``--size-mb`
 runs; 12 layers, hidden a multiple of 64, vocabulary 40 x hidden). Each round saves and loads it
 three ways, alternated (ours, torch, DCP, ours, ...), and the medians over ``--rounds`` are kept:
 
-    ours   save_checkpoint / load_checkpoint, as the training loop runs them: sha256 of every
+    ours   save_checkpoint / load_checkpoint, as the training loop runs them: XXH3-128 of every
            file taken while it is written, verified while it is read, meta.json, renames, fsyncs
     torch  torch.save of the same tensors, then fsync; torch.load(weights_only), copied back in
     dcp    torch.distributed.checkpoint save / load of the same tensors (in place; its writer
@@ -27,7 +27,6 @@ JSON line.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -45,7 +44,13 @@ from safetensors.torch import save as safetensors_save
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint import Checkpointer, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron.checkpoint.format import checkpoint_name, read_meta, shard_file  # noqa: E402
+from megatron.checkpoint.format import (  # noqa: E402
+    checkpoint_name,
+    checksum_text,
+    new_digest,
+    read_meta,
+    shard_file,
+)
 from megatron.checkpoint.reshard import shard_tensors  # noqa: E402
 from megatron.checkpoint.train_state import Progress, TrainState  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
@@ -181,7 +186,8 @@ def main() -> None:
         async_before, async_peak = peak_rss(background)
         shard = shard_file(0)
         meta = read_meta(os.path.join(sync_dir, checkpoint_name(1)))
-        reference = hashlib.sha256(safetensors_save(shard_tensors(model, optimizer))).hexdigest()
+        reference = new_digest()
+        reference.update(safetensors_save(shard_tensors(model, optimizer)))
         shutdown()
 
     def median(kind: str, op: str) -> float:
@@ -206,7 +212,7 @@ def main() -> None:
         async_save_rss_before_mib=round(async_before),
         async_save_peak_rss_mib=round(async_peak),
         async_save_peak_ratio=round(async_peak / (async_before + mib), 3),
-        safetensors_identical=meta["files"][shard] == reference,
+        safetensors_identical=meta["files"][shard] == checksum_text(reference.hexdigest()),
         each_s={
             k: {op: [round(s, 3) for s in v] for op, v in ops.items()} for k, ops in seconds.items()
         },

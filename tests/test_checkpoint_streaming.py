@@ -1,9 +1,8 @@
 """Streamed checkpoint files: what ``write_tensors`` writes piece by piece is exactly the file
-``safetensors.torch.save`` makes, its sum is the file's sha256, the pieces are the tensors' own
+``safetensors.torch.save`` makes, its sum is the file's XXH3-128, the pieces are the tensors' own
 memory, and a checkpoint whose files safetensors itself wrote (as every save before streaming
 did) still loads."""
 
-import hashlib
 import json
 import os
 import struct
@@ -11,11 +10,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as safetensors_save
 
 from megatron.checkpoint import load_checkpoint, save_checkpoint, streamed_file
-from megatron.checkpoint.format import read_meta, sha256_file
+from megatron.checkpoint.format import file_checksum, read_meta, sha256_file
 from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.parallel.state import initialize
 from tests.distributed import run_distributed
@@ -49,7 +49,7 @@ def test_streamed_file_is_byte_identical_to_safetensors_save(tmp_path, monkeypat
     digest = streamed_file.write_tensors(path, tensors, metadata)
     written = open(path, "rb").read()
     assert written == safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata)
-    assert digest == hashlib.sha256(written).hexdigest() == sha256_file(path)
+    assert digest == f"xxh3_128:{xxhash.xxh3_128(written).hexdigest()}" == file_checksum(path)
 
 
 def test_several_metadata_keys_lay_out_as_safetensors_does(tmp_path):

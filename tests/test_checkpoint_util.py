@@ -163,7 +163,7 @@ def test_refuses_damaged_input_and_impossible_targets(tp2, tmp_path, capsys):
     cases = {
         ("--input", str(src), "--output", str(taken), "--merge"): "already exists",
         ("--input", str(src), "--output", str(a_file), "--merge"): "already exists",
-        ("--input", str(damaged), "--output", str(tmp_path / "o1"), "--merge"): "sha256",
+        ("--input", str(damaged), "--output", str(tmp_path / "o1"), "--merge"): "xxh3_128 checksum",
         ("--input", str(src), "--output", str(tmp_path / "o2"), "--target-tp", "3"): "divide",
         ("--input", str(src), "--output", str(src), "--merge"): "holds the input",
         ("--input", str(tmp_path / "nowhere"), "--summary"): "no such directory",

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from megatron.checkpoint import candidates, find_latest, load_checkpoint, save_checkpoint
-from megatron.checkpoint.format import read_meta, sha256_file, shard_file, verify_checkpoint
+from megatron.checkpoint.format import (
+    file_checksum,
+    read_meta,
+    sha256_file,
+    shard_file,
+    verify_checkpoint,
+)
 from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config.load import load_config
 from megatron.config.schema import Config, padded_vocab_size
@@ -176,7 +182,7 @@ def test_resume_at_same_world_is_bit_exact(tmp_path):
     assert meta["tensors"][f"optim/{layer}.attention.dense.weight/exp_avg"]["split_dim"] == 1
     assert meta["tensors"][f"model/{layer}.ln1.weight"]["split_dim"] is None
     rng = "rng_rank00001.safetensors"
-    assert meta["files"][rng] == sha256_file(str(ckpt / rng))
+    assert meta["files"][rng] == file_checksum(str(ckpt / rng))
     assert verify_checkpoint(str(ckpt)) is None and find_latest(str(tmp_path / "ckpt")) == 3
 
 
@@ -212,8 +218,8 @@ def test_keep_last_resave_and_leftovers(tmp_path):
     assert find_latest(save_dir) == 3 and verify_checkpoint(f"{save_dir}/iter_0000003") is None
 
 
-def _fallback_and_finetune(cfg, save_dir):
-    st = initialize(1)
+def save_two(cfg, st, save_dir):
+    """Checkpoints of iterations 1 and 2, one training step apart; the model's state at each."""
     model, optimizer, schedule, tracker = build(cfg, st)
     states = {}
     for it in (1, 2):
@@ -223,6 +229,12 @@ def _fallback_and_finetune(cfg, save_dir):
         save_checkpoint(
             save_dir, TrainState(model, optimizer, schedule, tracker, progress), cfg, st, VOCAB
         )
+    return states
+
+
+def _fallback_and_finetune(cfg, save_dir):
+    st = initialize(1)
+    states = save_two(cfg, st, save_dir)
     log = Records()
     out = {}
     newest = os.path.join(save_dir, "iter_0000002")
@@ -279,7 +291,7 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
         text = "\n".join(messages)
         assert "iter_0000002 is incomplete or corrupt; trying the previous one" in text, what
         assert "loaded checkpoint" in text and "iter_0000001" in text, what
-    assert "does not match its sha256" in "\n".join(out["flipped byte"])
+    assert "does not match its xxh3_128 checksum" in "\n".join(out["flipped byte"])
     assert "unreadable" in "\n".join(out["truncated meta"])
 
 

@@ -274,7 +274,7 @@ def test_missing_or_damaged_checkpoint_and_occupied_output_are_refused(
     (occupied / "mine.txt").write_text("keep me")
     cases = [
         (str(tmp_path / "nowhere"), str(tmp_path / "o"), "no such directory"),
-        (str(damaged), str(tmp_path / "o"), "does not match its sha256"),
+        (str(damaged), str(tmp_path / "o"), "does not match its xxh3_128 checksum"),
         (gpt_layouts[1], str(occupied), "not empty"),
     ]
     for load, output, expected in cases:

@@ -29,9 +29,10 @@ TIMING = ("ms_per_iter", "tokens_per_s", "tflops")
 
 def metric_lines(path: Path) -> list[dict]:
     """Every training and validation line of a metrics file, timing fields dropped (a run that
-    saves also writes a line per save, with its timings: those are left out)."""
+    saves also writes a line per save, and one that resumes a line for the load, with their
+    timings: those are left out)."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    lines = [e for e in lines if "save_total_ms" not in e]
+    lines = [e for e in lines if "save_total_ms" not in e and "load_total_ms" not in e]
     return [
         {k: v for k, v in e.items() if k not in TIMING and not k.startswith("mem_")} for e in lines
     ]
@@ -121,6 +122,9 @@ def test_async_save_keeps_losses_and_resume_bit_exact(gpt_data, tmp_path):
     saves = save_lines(tmp_path / "resumed.jsonl")
     assert [e["iteration"] for e in saves] == [2, 4, 6, 8]
     assert all(0 < e["save_blocking_ms"] <= e["save_total_ms"] for e in saves)
+    text = (tmp_path / "resumed.jsonl").read_text().splitlines()
+    loads = [e for e in map(json.loads, text) if "load_total_ms" in e]
+    assert [e["iteration"] for e in loads] == [4] and loads[0]["load_total_ms"] > 0
 
 
 def only_checkpoint(save_dir: Path, iteration: int, dest: Path) -> Path:

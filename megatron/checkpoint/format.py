@@ -10,11 +10,18 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import xxhash
 from safetensors import SafetensorError, safe_open
 
 from megatron.errors import ConfigError
 
 FORMAT_VERSION = 1
+# The checksum new checkpoints record for each file, as ``xxh3_128:<hex>`` in meta.json's
+# ``files``. XXH3-128 catches corruption (flipped bits, torn or truncated writes) but, not being
+# cryptographic, no adversary who crafts a collision; it hashes ~30 GB/s a core to sha256's ~2.
+# A bare hex checksum is sha256: what checkpoints saved before XXH3 recorded, still verified.
+CHECKSUM = "xxh3_128"
+_DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # both hash without the GIL
 # Files hashed at once: past the cores there are, more threads only add contention.
 _HASHERS = os.cpu_count() or 1
 
@@ -94,14 +101,46 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.safetensors"
 
 
-def sha256_file(path: str) -> str:
-    """Hex sha256 of a file, hashed straight from its mapped pages (no copy into Python)."""
-    digest = hashlib.sha256()
+def new_digest(algorithm: str = CHECKSUM) -> Any:
+    """An empty hash object of ``algorithm`` (``update``, ``hexdigest``)."""
+    return _DIGESTS[algorithm]()
+
+
+def checksum_text(hexdigest: str) -> str:
+    """How meta.json records a ``CHECKSUM`` hex digest: ``xxh3_128:<hex>``, the algorithm named."""
+    return f"{CHECKSUM}:{hexdigest}"
+
+
+def parse_checksum(text: str) -> tuple[str, str]:
+    """(algorithm, hex) of a checksum in meta.json; bare hex (older checkpoints) is sha256."""
+    algorithm, _, hexdigest = text.rpartition(":")
+    return algorithm or "sha256", hexdigest
+
+
+def _hash_file(path: str, algorithm: str) -> str:
+    """Hex digest of a file, hashed straight from its mapped pages (no copy into Python)."""
+    digest = new_digest(algorithm)
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 digest.update(mapped)
     return digest.hexdigest()
+
+
+def file_checksum(path: str) -> str:
+    """A file's checksum as new checkpoints record it in meta.json (``xxh3_128:<hex>``)."""
+    return checksum_text(_hash_file(path, CHECKSUM))
+
+
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file: its checksum as checkpoints saved before XXH3 recorded it."""
+    return _hash_file(path, "sha256")
+
+
+def _matches(path: str, recorded: str) -> bool:
+    """Whether a file hashes to ``recorded``, by the algorithm it names."""
+    algorithm, hexdigest = parse_checksum(recorded)
+    return _hash_file(path, algorithm) == hexdigest
 
 
 def read_meta(ckpt_dir: str) -> dict[str, Any]:
@@ -129,15 +168,21 @@ def read_meta(ckpt_dir: str) -> dict[str, Any]:
     outside = [n for n in meta["files"] if os.path.basename(n) != n]
     if outside:
         raise ConfigError(f"{path} lists {outside[0]}, outside the checkpoint; it is damaged")
+    unknown = [(n, s) for n, s in meta["files"].items() if parse_checksum(s)[0] not in _DIGESTS]
+    if unknown:
+        raise ConfigError(
+            f"{path}: checksum {unknown[0][1]!r} of {unknown[0][0]} is by an algorithm this code "
+            f"does not know (it knows {', '.join(_DIGESTS)}); load it with newer code"
+        )
     return meta
 
 
 def check_files(
     ckpt_dir: str, meta: dict[str, Any], names: list[str], hashes: bool = True
 ) -> str | None:
-    """The first of ``names`` that is missing or (``hashes``) fails its sha256, as one line
-    naming it; None when all are intact. ``hashes=False`` reads nothing; else the files are
-    hashed concurrently, one thread each (sha256 runs without the GIL)."""
+    """The first of ``names`` that is missing or (``hashes``) fails its checksum (by the
+    algorithm meta.json names for it), as one line naming it; None when all are intact.
+    ``hashes=False`` reads nothing; else the files are hashed concurrently, one thread each."""
     paths = [os.path.join(ckpt_dir, name) for name in names]
     missing = next((p for p in paths if not os.path.isfile(p)), None)
     if missing is not None:
@@ -147,9 +192,12 @@ def check_files(
     with ThreadPoolExecutor(
         min(len(paths), _HASHERS), thread_name_prefix="checkpoint-hash"
     ) as pool:
-        sums = list(pool.map(sha256_file, paths))
-    bad = next((p for p, n, s in zip(paths, names, sums) if s != meta["files"][n]), None)
-    return None if bad is None else f"{bad} does not match its sha256 in meta.json"
+        sums = [meta["files"][n] for n in names]
+        intact = list(pool.map(_matches, paths, sums))
+    bad = next((i for i, ok in enumerate(intact) if not ok), None)
+    if bad is None:
+        return None
+    return f"{paths[bad]} does not match its {parse_checksum(sums[bad])[0]} checksum in meta.json"
 
 
 def verify_checkpoint(ckpt_dir: str) -> str | None:

@@ -1,7 +1,7 @@
 """Loading checkpoints: which one (the newest intact), and restoring every object from it.
 
 Load (collective): ``latest``'s iteration, then older ``iter_*``, newest first; the first whose
-meta.json parses and whose files match their sha256 (each rank hashes a share, while it reads
+meta.json parses and whose files match their checksums (each rank hashes a share, while it reads
 the tensors) is used, with a warning for each one passed over. One checkpoint directory
 (``iter_*``) given instead of a save directory is that checkpoint alone. Tensors go through
 safetensors, the rest is JSON: nothing is ever unpickled.
@@ -182,7 +182,7 @@ def _select(
     ``read`` runs while another thread hashes this rank's share: checking costs no pass over the
     files of its own, and what ``read`` took from a candidate that fails the check is dropped.
     A missing file or an unreadable meta.json is seen alike by every rank, so when no candidate
-    is intact the error names the newest one's problem (a sha256 mismatch only its hasher saw
+    is intact the error names the newest one's problem (a checksum mismatch only its hasher saw
     is in that rank's warning).
     """
     if _is_checkpoint(load_dir):  # named on purpose: no older one to fall back on

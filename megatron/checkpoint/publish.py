@@ -28,7 +28,7 @@ _LEFTOVER = re.compile(r"iter_\d+\.(tmp|old|del)-[0-9a-f]+|latest\.tmp-.+")
 def publish(tmp: str, save_dir: str, meta: dict[str, Any], keep_last: int | None) -> str:
     """Make the fully written, fsynced checkpoint in ``tmp`` the newest of ``save_dir``.
 
-    ``meta`` (with ``files``: every file's sha256) goes to meta.json; the directory is renamed
+    ``meta`` (with ``files``: every file's checksum) goes to meta.json; the directory is renamed
     into place and ``save_dir`` fsynced; only then is ``latest`` replaced (if that fails, the
     directory goes back to ``tmp`` before the error is raised). Last, checkpoints older than the
     newest ``keep_last`` and leftovers of killed saves are removed. Returns the path.
@@ -72,7 +72,7 @@ def save_offline(
     imports), as the newest of ``save_dir``; returns its path.
 
     ``files`` yields (name, tensors) one file at a time, so only one is held in memory; ``meta``
-    is meta.json, whose ``files`` (the sha256 of each file) are filled in here. Atomic like every
+    is meta.json, whose ``files`` (the checksum of each file) are filled in here. Atomic like every
     save: nothing appears under ``iter_*`` or in ``latest`` until every file is written, and a
     save that fails removes its temporary directory. Where storage refused a write (a full or
     read-only disk) that is a one-line StorageError naming the checkpoint, the bytes it needs

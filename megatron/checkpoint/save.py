@@ -6,7 +6,7 @@
         meta.json                     resolved config, iteration, progress, TP/PP/DP sizes, vocab
                                       sizes, each tensor's split dim and full shape, each stage's
                                       keys (``stages``), LR schedule, loss scaler, versions, the
-                                      sha256 of every other file and the rank that wrote it
+                                      checksum of every other file and the rank that wrote it
                                       (``writers``)
         model_optim_tp00.safetensors  TP rank t's slices of the weights and of the optimizer's
         model_optim_tp01.safetensors  main params, moments and steps, written by DP rank t % dp;
@@ -237,7 +237,7 @@ def _to_rank0(value: Any, job: SaveJob, group: dist.ProcessGroup | None) -> list
 
 
 class _Report(NamedTuple):
-    """What a rank tells rank 0 once it has written: each file's sha256, its error (a repr) and,
+    """What a rank tells rank 0 once it has written: each file's checksum, its error (a repr) and,
     when that was storage refusing the write, ``refusal``'s (reason, fix); the bytes of tensors
     it had to write; its layouts for meta.json (``SaveJob.layout``, ``SaveJob.stage``)."""
 

@@ -2,13 +2,12 @@
 
 The bytes are exactly ``safetensors.torch.save``'s (the header is the library's own, laid out
 for the real shapes), so every reader of the format reads them; but no copy of the whole file is
-ever made in memory, and its sha256 is taken by a second thread from the very pieces written,
-while they are written: no second pass, no read-back.
+ever made in memory, and its checksum (``format.CHECKSUM``) is taken by a second thread from the
+very pieces written, while they are written: no second pass, no read-back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections import deque
@@ -20,6 +19,7 @@ from safetensors.torch import save as serialize
 from torch import Tensor
 
 from megatron.atomic_file import write_durable
+from megatron.checkpoint.format import checksum_text, new_digest
 
 Buffer = bytes | memoryview
 # Bytes of a tensor written and hashed at a time: the hashing thread follows each write closely.
@@ -56,9 +56,10 @@ def _pieces(tensors: dict[str, Tensor], header: dict[str, str] | None) -> Iterat
 def write_tensors(
     path: str, tensors: dict[str, Tensor], header: dict[str, str] | None = None
 ) -> str:
-    """Write a safetensors file straight from ``tensors`` and fsync it; its sha256, hashed by a
-    second thread from the very pieces written, while they are written (no read-back)."""
-    digest = hashlib.sha256()
+    """Write a safetensors file straight from ``tensors`` and fsync it; its checksum as meta.json
+    records it (``xxh3_128:<hex>``), hashed by a second thread from the very pieces written,
+    while they are written (no read-back)."""
+    digest = new_digest()
     with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash") as hasher:
 
         def hashed() -> Iterator[Buffer]:
@@ -70,4 +71,4 @@ def write_tensors(
                 yield piece
 
         write_durable(path, hashed())
-    return digest.hexdigest()
+    return checksum_text(digest.hexdigest())

@@ -229,9 +229,12 @@ def _train(
                 load_dir,
                 cfg.checkpoint.load,
             )
+        start = time.perf_counter()
         checkpoint.load_checkpoint(load_dir, train, state, tokenizer.vocab_size, weights_only)
+        load_ms = 1000 * (time.perf_counter() - start)  # choosing, reading, verifying, restoring
         how = "fine-tuning the weights of" if weights_only else "resumed from"
-        log.info("%s %s at iteration %d", how, load_dir, train.progress.iteration)
+        iteration = train.progress.iteration
+        log.info("%s %s at iteration %d (load_total_ms %.0f)", how, load_dir, iteration, load_ms)
     progress = train.progress
     if progress.iteration >= cfg.training.train_iters:
         log.info(
@@ -257,6 +260,8 @@ def _train(
         work,
         cfg,
     )
+    if load_dir is not None:  # the resume's own line, as each save has one
+        metrics.record({"iteration": progress.iteration, "load_total_ms": load_ms})
     stage = None  # with pipeline parallelism: this rank's stage, which runs the schedule
     if state.pp_size > 1:
         mbs, dtype = cfg.training.micro_batch_size, DTYPES[cfg.precision.dtype]
