@@ -33,6 +33,10 @@ def _check_files(cfg: Config) -> int:
             f"checkpoint.load: {cfg.checkpoint.load} not found; fix the path or set "
             "checkpoint.load=null to start from scratch"
         )
+    from megatron.checkpoint.load import find_latest
+
+    for directory in {cfg.checkpoint.save, cfg.checkpoint.load} - {None}:
+        find_latest(directory)  # a `latest` that cannot be read is refused before any work
     prefixes = [p for _, p in weighted_paths(cfg.data.paths)]
     if cfg.data.format == "hdf5":
         # The reader's own resolution (directory, glob or file), so the check accepts exactly
