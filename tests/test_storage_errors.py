@@ -263,4 +263,4 @@ def test_a_truncated_or_corrupt_gz_input(gpt_data, tmp_path, capsys, damage, wor
     found = re.fullmatch(re.escape(f"{path}: truncated or corrupt gzip stream ") + line, err)
     assert found, err
     assert int(found[1]) == text.count(b"\n") > 0
-    assert not list((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out").exists()  # the directory it made for the output is gone too

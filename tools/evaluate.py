@@ -36,6 +36,7 @@ from megatron.inference.evaluation import (  # noqa: E402
     score_last_words,
     score_windows,
 )
+from megatron.inference.jsonl import check_output  # noqa: E402
 from megatron.inference.loading import (  # noqa: E402
     Loaded,
     add_tokenizer_flags,
@@ -96,6 +97,8 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    if args.output:
+        check_output(args.output)
 
 
 def window_lengths(args: argparse.Namespace, loaded: Loaded) -> tuple[int, int]:

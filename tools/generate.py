@@ -28,7 +28,7 @@ from megatron.atomic_file import write_atomic  # noqa: E402
 from megatron.data.tokenizers.base import Tokenizer  # noqa: E402
 from megatron.errors import ConfigError  # noqa: E402
 from megatron.inference.generation import Generation, check_prompts, generate  # noqa: E402
-from megatron.inference.jsonl import read_records  # noqa: E402
+from megatron.inference.jsonl import check_output, read_records  # noqa: E402
 from megatron.inference.loading import (  # noqa: E402
     add_tokenizer_flags,
     load_for_inference,
@@ -82,8 +82,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--input needs --output FILE")
     if args.output and not args.input:
         raise ConfigError("--output goes with --input; --prompt prints to stdout")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise ConfigError(f"--output {args.output}: its directory does not exist; create it")
+    if args.output:
+        check_output(args.output)
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     if args.batch_size < 1:

@@ -185,10 +185,18 @@ def preprocess(args: argparse.Namespace, max_lines: int | None = None) -> Summar
     check_inputs(paths, args.json_keys)  # Parquet columns, before any work
     encoder = build_encoder(args)  # checks the tokenizer files before any work
     summary = Summary(outputs=list(output_prefixes(args).values()))
+    # The directories the run creates for the output, deepest first: removed on a refusal.
+    made, parent = [], os.path.dirname(os.path.abspath(args.output_prefix))
+    while not os.path.exists(parent):
+        made, parent = [*made, parent], os.path.dirname(parent)
     try:
         with _tokenizer_threads_off():
             _convert(args, paths, encoder, summary, max_lines)
+    except ConfigError:
+        _remove_empty(made)
+        raise
     except OSError as e:
+        _remove_empty(made)
         refused = refusal(e)
         if refused is None or e.filename in paths:  # an unreadable input is not the output's
             raise
@@ -236,6 +244,8 @@ def _convert(
             summary.tokens += sum(len(v) for v in result.tokens.values())
             summary.bytes += result.bytes
             progress.update(summary, result.documents, time.perf_counter() - start)
+        if summary.documents == 0:  # raised in the writers' scope: they remove their files
+            raise ConfigError(_no_documents(args, paths, summary))
         # The old sidecars go before the new .bin/.idx replace their data (as the writers exit).
         for prefix in prefixes.values():
             remove_sidecar(prefix)
@@ -243,6 +253,26 @@ def _convert(
     for prefix in prefixes.values():
         write_sidecar(prefix, "tools/preprocess_data.py", record, level(args), args.append_eod)
     summary.seconds = time.perf_counter() - start
+
+
+def _remove_empty(directories: list[str]) -> None:
+    """Removes ``directories`` (deepest first) while they are empty."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
+def _no_documents(args: argparse.Namespace, paths: list[str], summary: Summary) -> str:
+    """The one line refusing an input with no document to write."""
+    inputs = " ".join(paths)
+    skipped = f" ({summary.bad_lines.total():,} bad lines skipped)" if summary.bad_lines else ""
+    keys = " ".join(args.json_keys)
+    return (
+        f"--input {inputs}: no document with text under --json-keys {keys}{skipped}; nothing "
+        "written; give input that holds documents"
+    )
 
 
 def _record_bad(summary: Summary, path: str, bad: list[tuple[int, str]], skip: bool) -> None:

@@ -61,6 +61,11 @@ def find_latest(load_dir: str) -> int | None:
             text = f.read()
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{path} is a directory, not the file naming the latest checkpoint; remove it to "
+            "resume from the newest complete iter_* directory"
+        ) from None
     if not text.strip().isdigit():
         raise ConfigError(
             f"{path} holds {text[:20]!r}, not an iteration; delete it to resume from the newest "

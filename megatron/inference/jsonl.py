@@ -1,4 +1,5 @@
-"""The JSONL inputs of the inference tools: one JSON object per line, blank lines skipped."""
+"""The JSONL files of the inference tools: inputs of one JSON object per line (blank lines
+skipped), and the --output file they write, checked before any work."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def read_records(path: str, key: str, example: str) -> list[tuple[int, dict[str,
                 )
             records.append((number, record))
     return records
+
+
+def check_output(path: str) -> None:
+    """``--output path`` can be written as a file: it is not a directory and its directory
+    exists; a ConfigError naming the fix before anything is loaded."""
+    if os.path.isdir(path):
+        name = os.path.join(path, "out.jsonl")
+        raise ConfigError(f"--output {path}: a directory; name a file to write, e.g. {name}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"--output {path}: its directory does not exist; create it")

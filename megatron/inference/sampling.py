@@ -3,6 +3,7 @@ top-p (nucleus) sampling, always in fp32."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
+        if not 0 < self.temperature < math.inf:  # nan fails both comparisons
             raise ConfigError(
-                f"--temperature {self.temperature}: must be > 0; leave the sampling flags "
-                "out for greedy decoding"
+                f"--temperature {self.temperature}: must be a finite number > 0; leave the "
+                "sampling flags out for greedy decoding"
             )
         if self.top_k < 0:
             raise ConfigError(f"--top-k {self.top_k}: must be >= 0 (0 keeps every token)")

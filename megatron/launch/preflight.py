@@ -48,6 +48,15 @@ def _check_files(cfg: Config) -> int:
         if not os.path.exists(getattr(tok, key)):
             raise ConfigError(f"tokenizer.{key}: {getattr(tok, key)} not found; fix the path")
     check_load_path(cfg)
+    for directory in {cfg.checkpoint.save, cfg.checkpoint.load} - {None}:
+        # Before any work: a `latest` that is a directory (the load reads it as a file, and
+        # refuses it too: megatron.checkpoint.load.find_latest).
+        latest = os.path.join(directory, "latest")
+        if os.path.isdir(latest):
+            raise ConfigError(
+                f"{latest} is a directory, not the file naming the latest checkpoint; remove it "
+                "to resume from the newest complete iter_* directory"
+            )
     prefixes = [p for _, p in weighted_paths(cfg.data.paths)]
     if cfg.data.format == "hdf5":
         # The reader's own resolution (directory, glob or file), so the check accepts exactly

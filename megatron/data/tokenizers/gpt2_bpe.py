@@ -156,22 +156,30 @@ def _load_gpt2_vocab(path: str | None) -> dict[str, int]:
 
 def _load_gpt2_merges(path: str | None, vocab: dict[str, int], vocab_file: str) -> list:
     path = require_file("tokenizer.merges_file", path, "the GPT-2 merges.txt")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"tokenizer.merges_file={path}: not UTF-8 text (byte {e.start}); give GPT-2's "
+            "merges.txt"
+        ) from None
     merges = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if (lineno == 1 and line.startswith("#version")) or not line.strip():
-                continue
-            parts = line.split()
-            if len(parts) != 2:
+    for lineno, line in enumerate(lines, 1):
+        if (lineno == 1 and line.startswith("#version")) or not line.strip():
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ConfigError(
+                f"tokenizer.merges_file={path}:{lineno}: expected two tokens per line, got "
+                f"{len(parts)}; give GPT-2's merges.txt"
+            )
+        for token in (*parts, parts[0] + parts[1]):
+            if token not in vocab:
                 raise ConfigError(
-                    f"tokenizer.merges_file={path}:{lineno}: expected two tokens per line, got "
-                    f"{len(parts)}; give GPT-2's merges.txt"
+                    f"tokenizer.merges_file={path}:{lineno}: token {token!r} is not in "
+                    f"{vocab_file}; the vocab and merges files do not belong together"
                 )
-            for token in (*parts, parts[0] + parts[1]):
-                if token not in vocab:
-                    raise ConfigError(
-                        f"tokenizer.merges_file={path}:{lineno}: token {token!r} is not in "
-                        f"{vocab_file}; the vocab and merges files do not belong together"
-                    )
-            merges.append((parts[0], parts[1]))
+        merges.append((parts[0], parts[1]))
     return merges
