@@ -277,6 +277,13 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--gpu-memory-gb 80": Run(),
     "python pretrain_gpt.py --config configs/mistral_7b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80": Run(),
+    # docs/profiling.md: a trace of iterations 3 and 4, then its files (ls fails without them)
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "configs/gpt_tiny.yaml training.train_iters=6 optimizer.lr_warmup_iters=0 "
+    "checkpoint.save=runs/profiled logging.tensorboard_dir=runs/profiled/tensorboard "
+    "'logging.profile_steps=[3,4]'": Run(),
+    "ls runs/profiled/tensorboard/profile/rank0.*.pt.trace.json "
+    "runs/profiled/tensorboard/profile/rank1.*.pt.trace.json": Run(),
     # docs/moe.md: the mixture-of-experts configs
     "python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 64 "
     "--gpu-memory-gb 80": Run(),

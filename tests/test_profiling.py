@@ -47,6 +47,19 @@ def test_profile_steps_write_a_trace(gpt_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_with_nothing_to_train_says_no_profile_was_recorded(gpt_data, tmp_path):
+    """The second run resumes the first's finished checkpoint: one line (not one per rank) says
+    its window recorded nothing, and no trace appears."""
+    save = {"checkpoint.save": tmp_path / "ckpt", "logging.profile_steps": "[3,4]"}
+    _run(gpt_data, tmp_path, nproc=2, **save)
+    traces = sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json"))
+    again = _run(gpt_data, tmp_path, nproc=2, **save)
+    output = again.stdout + again.stderr
+    assert output.count("logging.profile_steps=[3, 4]: nothing was recorded") == 1, output
+    assert sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json")) == traces
+
+
+@pytest.mark.slow
 def test_profile_steps_write_a_trace_per_rank(gpt_data, tmp_path):
     _run(gpt_data, tmp_path, nproc=2, **{"logging.profile_steps": "[3,4]"})
     _traces(tmp_path, [0, 1])

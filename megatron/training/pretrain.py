@@ -243,6 +243,11 @@ def _train(
             progress.iteration,
             cfg.training.train_iters,
         )
+        windows = {"profile_steps": cfg.logging.profile_steps}
+        windows["memory_snapshot_steps"] = cfg.logging.memory_snapshot_steps
+        for key, steps in windows.items():
+            if steps is not None and state.is_first:  # one line, not one per rank
+                log.warning("logging.%s=%s: nothing was recorded (no iteration ran)", key, steps)
         return 0
     if state.rank == 0:
         # Only now: a run refused by its checkpoint, or with nothing to do, leaves the save
