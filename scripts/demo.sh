@@ -39,7 +39,7 @@ The training line's validation perplexity covers training.eval_iters batches of 
 split; evaluate.py above scored all of it, so the two differ a little.
 == next
   bash scripts/demo.sh training.train_iters=400          # resumes from the checkpoint, 200 more
-  torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config configs/moe_tiny.yaml
+  python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config configs/moe_tiny.yaml
   python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 --gpu-memory-gb 80
   README.md and docs/ for the rest (docs/moe.md, docs/llama.md, docs/huggingface.md)
 SUMMARY

@@ -64,6 +64,7 @@ def tensors(save_dir, tp: int) -> dict[str, torch.Tensor]:
 def test_merge_and_reshard_round_trip_exactly(tp2, tmp_path, capsys):
     src, cfg, ref_state, ref_logits = tp2
     merged, back, four, again = (tmp_path / n for n in ("merged", "tp2", "tp4", "merged_again"))
+    assert main(["--load", str(src), "--summary"]) == 0  # --load: the other tools' spelling
     assert main(["--input", str(src), "--output", str(merged), "--merge"]) == 0
     assert sorted(os.listdir(merged)) == [ITER, "latest"] and find_latest(str(merged)) == 2
     assert sorted(os.listdir(merged / ITER)) == ["meta.json", shard_file(0)]

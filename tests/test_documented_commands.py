@@ -277,6 +277,10 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--gpu-memory-gb 80": Run(),
     "python pretrain_gpt.py --config configs/mistral_7b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80": Run(),
+    # docs/checkpoints.md: checkpoint_util on the demo's checkpoints
+    "python tools/checkpoint_util.py --load runs/gpt_tiny/checkpoints --summary": Run(),
+    "python tools/checkpoint_util.py --load runs/gpt_tiny/checkpoints --output "
+    "runs/gpt_tiny/merged --merge": Run(),
     # docs/profiling.md: a trace of iterations 3 and 4, then its files (ls fails without them)
     "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
     "configs/gpt_tiny.yaml training.train_iters=6 optimizer.lr_warmup_iters=0 "

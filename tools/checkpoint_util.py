@@ -61,7 +61,13 @@ from megatron.launch.torchrun import exit_with  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", required=True, help="a save directory or one iter_* directory")
+    p.add_argument(
+        "--input",
+        "--load",
+        dest="input",
+        required=True,
+        help="a save directory or one iter_* directory (--load, as the other tools spell it)",
+    )
     p.add_argument("--iteration", type=int, help="with a save directory: this checkpoint")
     p.add_argument(
         "--output",
