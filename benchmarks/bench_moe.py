@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -69,8 +70,6 @@ def _compare(steps: dict, args: argparse.Namespace, goal: float) -> dict[str, fl
 
 
 def _timed(fn) -> float:
-    import time
-
     synchronize()
     start = time.perf_counter()
     fn()

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.models.activations import activate
 from megatron.models.moe import dispatch
-from megatron.models.moe.experts import GroupedExperts, activate
+from megatron.models.moe.experts import GroupedExperts
 from megatron.models.moe.router import (
     RouterOptions,
     group_limited_mask,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.distributed import run_distributed
 from tests.gpt_run import read_metrics, tiny_overrides
-from tests.test_llama_training import _generation
+from tests.test_llama_training import PP2, TP2, _generation
 from tests.test_pipeline_training import _assert_same_run, _spawn
 from tests.test_resume import metric_lines
 
@@ -35,7 +35,6 @@ SHAPE = {
     "training.eval_iters": 1,
     "logging.tensorboard_dir": None,
 }
-TP2, PP2 = {"parallel.tensor_parallel_size": 2}, {"parallel.pipeline_parallel_size": 2}
 LAYOUTS = {  # name: (world size, overrides), each compared with "ref"
     "tp2": (2, TP2),
     "tp2_sp": (2, {**TP2, "parallel.sequence_parallel": True}),

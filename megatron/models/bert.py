@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.models.activations import gelu
 from megatron.models.document_mask import RingMask
 from megatron.models.embedding import Embedding
-from megatron.models.transformer import TransformerStack, gelu, norm_layer
+from megatron.models.transformer import TransformerStack, norm_layer
 from megatron.parallel import sequence_parallel as sp
 from megatron.parallel.context_parallel import held_positions
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy

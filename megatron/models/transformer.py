@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from megatron.models.activations import activate
 from megatron.models.document_mask import BlockMask, RingMask, attention
 from megatron.models.kv_cache import KVCache
 from megatron.models.moe.layer import MoELayer
@@ -159,13 +159,6 @@ class ParallelAttention(nn.Module):
         return self.dense(ctx)  # [b, s, h] replicated, or [b, s / tp, h] with sequence_parallel
 
 
-def gelu(x: Tensor, activation: str) -> Tensor:
-    """``model.activation``: "gelu" is exact (erf); "gelu_tanh" is the tanh approximation that
-    released GPT-2 weights were trained with (HF's ``gelu_new``). BERT's LM-head transform keeps
-    exact GeLU under "swiglu" MLPs."""
-    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
 class ParallelMLP(nn.Module):
     """h -> ffn (column-parallel), GeLU, ffn -> h (row-parallel); or SwiGLU: fc1 is the gate and
     up projections h -> 2 ffn, then SiLU(gate) * up -> fc2.
@@ -192,10 +185,7 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.fc1(x)  # [b, s, ffn / tp], SwiGLU [b, s, 2 ffn / tp]
-        if self.activation == "swiglu":
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each [b, s, ffn / tp]
-            return self.fc2(F.silu(gate) * up)
-        return self.fc2(gelu(y, self.activation))
+        return self.fc2(activate(y, self.activation))  # fc2 of [b, s, ffn / tp]
 
 
 class TransformerLayer(nn.Module):

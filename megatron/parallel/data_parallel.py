@@ -219,14 +219,13 @@ class DataParallel:
                 # first (exact for power-of-two sizes), then SUM.
                 bucket.flat.div_(self.dp_size)
                 op = dist.ReduceOp.SUM
-            if group is None:
-                pass  # the only copy: nothing to reduce
-            elif self.shard_optimizer:
+            # group None: this rank holds the only copy, so there is nothing to reduce.
+            if group is not None and self.shard_optimizer:
                 # The average lands in this rank's slice only (the output aliases the input).
                 bucket.handle = dist.reduce_scatter_single(
                     bucket.flat[bucket.shard], bucket.flat, op=op, group=group, async_op=True
                 )
-            else:
+            elif group is not None:
                 bucket.handle = dist.all_reduce(bucket.flat, op=op, group=group, async_op=True)
         bucket.launched = True
         self._next += 1

@@ -71,10 +71,10 @@ class TrainLoop:
         t = self.cfg.training
         return iteration % self.cfg.logging.log_interval == 0 or iteration == t.train_iters
 
-    def _for_backward(self, loss: Tensor) -> Tensor:
+    def _for_backward(self, loss: Tensor | float) -> Tensor | float:
         """A micro-batch's loss as backward takes it: divided by the micro-batches (their mean)
         and times CP (exact at 1), since the gradient sync averages over DP x CP where the CP
-        ranks' shares of a sample must add up; loss-scaled with fp16."""
+        ranks' shares of a sample must add up; loss-scaled with fp16. Of 1.0: that factor."""
         return self.train.optimizer.scale_loss(loss * self.state.cp_size / self.num_micro)
 
     def _next_batch(self, data: Iterator[Batch]) -> Batch:
@@ -98,7 +98,7 @@ class TrainLoop:
         if routing is not None:
             routing.reset()
             # The MoE losses' gradients: what backward multiplies the step's loss by.
-            routing.backward_scale = self._for_backward(torch.ones((), device=self.state.device))
+            routing.backward_scale = self._for_backward(1.0)
         if self.stage is not None:
             step.add(self._pipeline_step(data), self.num_micro)
         else:

@@ -17,18 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.models.activations import activate
 from megatron.models.moe.dispatch import grouped_linear
 from megatron.parallel.experts import expert_param
 from megatron.parallel.layers import InitMethod, sharded_param
 from megatron.parallel.state import ParallelState
-
-
-def activate(y: Tensor, activation: str) -> Tensor:
-    """fc1's output [..., f'] -> [..., f]: SiLU(gate) * up, or GeLU (exact or tanh)."""
-    if activation == "swiglu":
-        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-        return F.silu(gate) * up
-    return F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 class GroupedExperts(nn.Module):

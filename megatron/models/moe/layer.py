@@ -130,9 +130,9 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         logits = self.router(x)  # [b, s, E] fp32
         choice = route(logits.view(-1, self.num_experts), self.opts, self.router.expert_bias)
-        counts = token_counts(choice.experts.view(b, s, self.topk), self.num_experts)  # [b, E]
-        losses = self._balancing_losses(logits, choice.probs.view(b, s, -1), counts)
         experts = choice.experts.view(b, s, self.topk)
+        counts = token_counts(experts, self.num_experts)  # [b, E]
+        losses = self._balancing_losses(logits, choice.probs.view(b, s, -1), counts)
         if self.seq_group is not None:
             experts = all_gather_seq(experts, self.seq_group)  # [b, s * tp, k]
         tokens = self._enter(x).reshape(-1, h)  # [T, h]: the whole sequence

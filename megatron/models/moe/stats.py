@@ -54,17 +54,17 @@ class RoutingStats:
         self.bias_rate = cfg.moe_router_bias_update_rate
         self.counts_here = (sequence_parallel and state.tp_size > 1) or state.tp_rank == 0
         self.losses_here = state.tp_rank == 0
-        self.device = state.device
         self.routers: dict[int, nn.Module] = {}  # held layer -> its router, with expert_bias
         self.backward_scale: Tensor | float = 1.0
-        self.reset()
+        n, device = len(self.layers), state.device
+        self.losses = torch.zeros(2, dtype=torch.float64, device=device)  # aux, z
+        self.counts = torch.zeros(n, self.num_experts, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros(n, dtype=torch.float64, device=device)
 
     def reset(self) -> None:
-        """Zero the sums (the loop calls it at the start of each training step)."""
-        n = len(self.layers)
-        self.losses = torch.zeros(2, dtype=torch.float64, device=self.device)  # aux, z
-        self.counts = torch.zeros(n, self.num_experts, dtype=torch.float64, device=self.device)
-        self.dropped = torch.zeros(n, dtype=torch.float64, device=self.device)
+        """Zero the sums in place (the loop calls it at the start of each training step)."""
+        for sums in (self.losses, self.counts, self.dropped):
+            sums.zero_()
 
     def record(
         self, index: int, counts: Tensor, dropped: Tensor, aux: Tensor | None, z: Tensor | None
@@ -87,9 +87,6 @@ class RoutingStats:
     def pack(self) -> Tensor:
         """This rank's figures, 1-D fp64: the losses, the counts per (layer, expert), the drops."""
         return torch.cat([self.losses, self.counts.reshape(-1), self.dropped])
-
-    def size(self) -> int:
-        return 2 + len(self.layers) * (self.num_experts + 1)
 
     def finish(self, totals: list[float], micro_batches: int, replicas: int) -> dict[str, float]:
         """From the world's sums of ``pack``: the step's metrics (the losses as the loss is
