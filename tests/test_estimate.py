@@ -19,6 +19,7 @@ import io
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -51,19 +52,25 @@ CASES = [
 
 
 def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor, **named: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in one forward ``model(*inputs, **named)``,
-    parameters excluded."""
+    """Bytes of the distinct storages autograd still holds after one forward
+    ``model(*inputs, **named)``, parameters excluded. A tensor saved by a node that the forward
+    then dropped (its output unused) is freed and not counted, whatever the allocator does with
+    its address."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
+    saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*inputs, **named)
+        out = model(*inputs, **named)
+    storages = {}
+    for ref in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    del out
     return sum(storages.values())
 
 

@@ -88,16 +88,20 @@ MOE_CASES = {
                     "moe_shared_expert_intermediate_size": None},
     "pre_softmax": {**MOE, "moe_router_pre_softmax": True},
     "sigmoid_top1": {**MOE, "moe_router_score_function": "sigmoid", "moe_router_topk": 1},
+    "sigmoid_aux": {**MOE, "moe_router_score_function": "sigmoid", "moe_aux_loss_coeff": 0.01},
+    "seq_aux_z": {**MOE, "moe_router_load_balancing_type": "seq_aux_loss",
+                  "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001},
 }  # fmt: skip
 
 
-def _measure(overrides: dict, state=CPU) -> tuple[int, int]:
+def _measure(overrides: dict, state=CPU, sequence_parallel=False) -> tuple[int, int]:
     """(parameters, bytes autograd saves) of a 2-layer GPT on this rank of ``state``."""
     cfg = tiny_model_config(**overrides)
     tracker = RNGTracker(state.device)
-    tracker.seed(1, 0)
-    model = GPTModel(cfg, VOCAB, 256, state, tracker).train()
-    generator = torch.Generator().manual_seed(state.rank)  # each rank its own tokens
+    tracker.seed(1, state.tp_rank)
+    model = GPTModel(cfg, VOCAB, 256, state, tracker, sequence_parallel=sequence_parallel)
+    model.train()
+    generator = torch.Generator().manual_seed(state.dp_rank)  # each DP rank its own tokens
     tokens = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=generator)
     saved = saved_bytes(model, tokens, packed_batch(n=2)[2], labels=tokens)
     return sum(p.numel() for p in model.parameters()), saved
@@ -118,6 +122,31 @@ def test_counts_and_moe_layer_bytes_match_the_model(case):
     assert params.total - params.active == routed_off * 3 * 48 * cfg.hidden_size
     moe_layer = layer_activation_bytes(cfg, 2, 1, 4, moe=True)
     assert moe_saved - dense_saved == moe_layer - layer_activation_bytes(dense, 2, 1, 4)
+
+
+def _measure_tp2() -> dict[tuple[str, bool], tuple[int, int]]:
+    """Per MoE case and with and without sequence parallelism, on this rank of TP 2: the saved
+    bytes of the 2-layer GPT with and without its MoE layer."""
+    from megatron.parallel.state import initialize
+
+    state = initialize(2)
+    return {
+        (case, sp): (_measure(MOE_CASES[case], state, sp)[1], _measure(DENSE, state, sp)[1])
+        for case in MOE_CASES
+        for sp in (False, True)
+    }
+
+
+@pytest.mark.slow
+def test_moe_layer_bytes_match_the_model_at_tp2():
+    """Each TP rank's MoE layer bytes exactly, with and without sequence parallelism (which
+    splits the routing over the ranks and gathers the choices)."""
+    for measured in run_distributed(_measure_tp2, 2):
+        for (case, sp), (moe, dense) in measured.items():
+            cfg, dense_cfg = tiny_model_config(**MOE_CASES[case]), tiny_model_config(**DENSE)
+            moe_layer = layer_activation_bytes(cfg, 2, 2, 4, sequence_parallel=sp, moe=True)
+            dense_layer = layer_activation_bytes(dense_cfg, 2, 2, 4, sequence_parallel=sp)
+            assert moe - dense == moe_layer - dense_layer, (case, sp)
 
 
 def test_memory_follows_which_layers_are_moe():

@@ -38,7 +38,9 @@ fc1 output and activation (its input, the norm's output, is counted as fc1's abo
 and the shared expert read it, gathered whole as fc1's is), per routed token (T/t tokens under
 sequence parallelism, which routes each rank's own): the router's fp32 scores (E; the logits, E
 more, with the z-loss), the top-k choices (int64, k) and, when the weights are renormalised, the
-top-k scores and their sum (k + 1, fp32; sigmoid scores: their sum over the experts too); and
+top-k scores and their sum (k + 1, fp32; sigmoid scores with the auxiliary loss: their sum
+over the experts too; under SP the router's input h and the shared gate's sigmoid, whose
+gathered copies the shared expert keeps); and
 for the T tokens of the whole sequence, on every TP rank (each routes the same tokens; the
 experts are split along f_e): the routing weights [T, k] in fp32 (and, with a 16-bit dtype, the
 cast copy the combination multiplies by), the int64 permutation and its token rows (2*8*T*k),
@@ -135,7 +137,10 @@ def layer_activation_bytes(
     # The norms' inputs (the residual stream), the dropout masks and the statistics; then
     # the inputs of QKV and fc1, which the column-parallel layers keep whole (gathered).
     sequence_split = s * b * h * (2 * elem_bytes + hidden_masks) + 2 * stats * s * b
-    column_inputs = 2 * s * b * h * elem_bytes
+    # An MoE layer under SP keeps its router's input, the norm's output, where the tokens are;
+    # the gathered copy only a shared expert reads (the token rows' permutation keeps none).
+    fc1_input = not (moe and sequence_parallel) or model.moe_shared_expert_intermediate_size
+    column_inputs = (1 + bool(fc1_input)) * s * b * h * elem_bytes
     qkv, attn, _ = projections(model)
     rope = model.position_embedding_type == "rope"
     # q reshaped from several groups is a copy, kept by what reads it unless that is RoPE.
@@ -152,7 +157,9 @@ def layer_activation_bytes(
         split += a * s * model.seq_length * b * (elem_bytes + dropped)
     whole = 0
     if moe:
-        routed, experts, whole = moe_activation_bytes(model, s * b, elem_bytes, expert_parallel)
+        routed, experts, whole = moe_activation_bytes(
+            model, s * b, elem_bytes, expert_parallel, b, sequence_parallel
+        )
         sequence_split, split = sequence_split + routed, split + experts
     if sequence_parallel:
         sequence_split = -(-sequence_split // tp_size)
@@ -166,11 +173,17 @@ def mlp_kept(model: ModelConfig, width: int) -> int:
 
 
 def moe_activation_bytes(
-    model: ModelConfig, tokens: int, elem_bytes: int, expert_parallel: int = 1
+    model: ModelConfig,
+    tokens: int,
+    elem_bytes: int,
+    expert_parallel: int = 1,
+    sequences: int = 1,
+    sequence_parallel: bool = False,
 ) -> tuple[int, int, int]:
     """(routed where the tokens are, split over TP, whole) bytes one MoE layer keeps for backward
-    in place of the dense MLP's, for ``tokens`` T (this rank's b*s/c), its experts split over
-    ``expert_parallel`` EP ranks (balanced: T*k rows received): see the module docstring.
+    in place of the dense MLP's, for ``tokens`` T (this rank's b*s/c of ``sequences`` b), its
+    experts split over ``expert_parallel`` EP ranks (balanced: T*k rows received): see the module
+    docstring.
 
     The first term is what sequence parallelism splits (each rank routes its T/t tokens); the
     experts' and the shared expert's inner activations are split along their widths; the token
@@ -179,14 +192,16 @@ def moe_activation_bytes(
     """
     h, e, k, experts = model.hidden_size, elem_bytes, model.moe_router_topk, model.num_experts
     rows = tokens * k  # dropless: every token's k choices (with EP, balanced: as many received)
-    # fp32 scores [T, E] (softmax or sigmoid output), with the z-loss the logits [T, E] too;
+    # fp32 scores [T, E] (softmax or sigmoid output), with the z-loss the logits [T, E] and
+    # their logsumexp [T] too;
     # the top-k choices [T, k] (int64); renormalised: the top-k scores [T, k] and their sum;
-    # sigmoid: the scores' sum [T, 1].
-    routed = 4 * experts * (1 + (model.moe_z_loss_coeff > 0)) + 8 * k
+    # sigmoid with the auxiliary loss: the scores' sum [T, 1] (without it the probabilities
+    # feed no loss, so autograd drops the division).
+    routed = 4 * experts + 8 * k + (4 * experts + 4 if model.moe_z_loss_coeff > 0 else 0)
     softmax = model.moe_router_score_function == "softmax"
     if (not model.moe_router_pre_softmax) if softmax else k > 1:
         routed += 4 * k + 4
-    if not softmax:
+    if not softmax and model.moe_aux_loss_coeff > 0:
         routed += 4  # the sum of the sigmoid scores, which divides them into probabilities
     split = rows * mlp_kept(model, model.expert_ffn_hidden_size) * e
     # the permuted rows, fc2's output rows and their unpermuted copy [T*k, h] (the index_copy
@@ -201,6 +216,16 @@ def moe_activation_bytes(
         # too (the unpermute's source); int64 [T*k]: the regrouping; offsets of E/ep experts
         local = experts // expert_parallel
         whole += rows * h * e + 8 * rows - 2 * 4 * (experts - local)
+    if sequence_parallel:
+        # the router's input [T/t, h] (the column-parallel inputs count the gathered one), and
+        # with the gate its sigmoid [T/t, 1] beside the gathered one the product keeps
+        routed += e * (h + int(model.moe_shared_expert_gate))
+    if model.moe_aux_loss_coeff > 0:
+        # the fp32 expert counts the loss multiplies the probabilities by: [E], per sequence
+        # [b, E]; that one under SP a view of the all-reduced [b*E probability sums, z, counts]
+        per_sequence = model.moe_router_load_balancing_type == "seq_aux_loss"
+        counts = 4 * experts * (sequences if per_sequence else 1)
+        whole += 2 * counts + 4 if per_sequence and sequence_parallel else counts
     shared = model.moe_shared_expert_intermediate_size
     if shared is not None:
         split += tokens * mlp_kept(model, shared) * e

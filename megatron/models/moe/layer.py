@@ -188,7 +188,8 @@ class MoELayer(nn.Module):
             parts = [prob_sums.reshape(-1), z_sum.reshape(1), counts.reshape(-1).float()]
             summed = reduce_from_tp(torch.cat(parts), self.seq_group)
             prob_sums, z_sum, counts = summed.split([b * experts, 1, b * experts])
-            prob_sums, counts = prob_sums.view(b, experts), counts.view(b, experts)
+            # counts carry no gradient: detached, the loss's product keeps only them
+            prob_sums, counts = prob_sums.view(b, experts), counts.view(b, experts).detach()
         if self.cp_group is not None and self.aux_coeff > 0:
             counts = counts.clone()
             dist.all_reduce(counts, group=self.cp_group)  # the whole sequences' counts
