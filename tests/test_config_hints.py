@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +62,37 @@ def test_each_suggested_value_passes_every_check(overrides, world, key):
         for value in re.findall(r"\d+", values):
             cfg = load_config([TINY], [*overrides, f"{hinted}={value}"])
             validate(cfg, world, check_files=False)  # raises if the hint was wrong
+
+
+def test_every_mistake_in_one_pass():
+    """Three independent mistakes (CP at a world it does not divide, a warmup as long as the
+    run, a loss-scale floor above its start) come out of one dry run of the real entrypoint (its
+    checks are the launch's), a numbered line each, exit 2; fixing all three as hinted passes."""
+    mistakes = [*NO_DROPOUT, "parallel.context_parallel_size=4", "training.train_iters=10",
+                "precision.min_loss_scale=1e6", "precision.initial_loss_scale=1024"]  # fmt: skip
+    argv = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--config", TINY,
+            "--dry-run", "--world-size", "2"]  # fmt: skip
+    run = subprocess.run([*argv, *mistakes], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[0] == "error: 3 config mistakes, each with its fix:", run.stderr
+    assert [line.split(" ")[3] for line in lines[1:]] == [
+        "parallel.tensor_parallel_size=2",
+        "precision.min_loss_scale=1000000.0",
+        "optimizer.lr_warmup_iters=30",
+    ], run.stderr
+    assert "use parallel.context_parallel_size=1, or launch" in lines[1], run.stderr
+    assert "use optimizer.lr_warmup_iters=0, 1 or 9" in lines[3], run.stderr
+    fixed = [*mistakes, "parallel.context_parallel_size=1", "optimizer.lr_warmup_iters=1",
+             "precision.min_loss_scale=1"]  # fmt: skip
+    validate(load_config([TINY], fixed), 2, check_files=False)
+
+
+def test_out_of_range_values_come_alone_and_together():
+    """Values the other checks would divide by are reported first, all of them."""
+    with pytest.raises(ConfigError) as info:
+        validate(load_config([TINY], ["model.num_layers=0", "optimizer.lr=-1"]), 1, False)
+    assert str(info.value).splitlines()[1:] == [
+        "  1. model.num_layers=0 must be positive; fix the value",
+        "  2. optimizer.lr=-1.0 must be positive; fix the value",
+    ]

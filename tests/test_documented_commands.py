@@ -149,7 +149,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     ".venv/bin/python -m pytest -q -n 2 --dist loadfile": Skip(
         "the test command: CI runs exactly this"
     ),
-    "torchrun --standalone --nproc-per-node 8 pretrain_gpt.py --config configs/gpt_8.3b.yaml": (
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 8 "
+    "pretrain_gpt.py --config configs/gpt_8.3b.yaml": (
         Instead(
             "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --preflight --world-size 8",
             "8 GPUs: every check the run makes before its first collective, at world size 8",
@@ -178,15 +179,16 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt "
     "--append-eod --workers 16": Run(),
     "python tools/ln_experiment.py --prepare-only --data-dir data/bert": Run(),
-    "torchrun --standalone --nproc-per-node 2 pretrain_bert.py --config configs/bert_tiny.yaml": (
-        Run(append=SHORT)
-    ),
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "pretrain_bert.py --config configs/bert_tiny.yaml": (Run(append=SHORT)),
     'python tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "Return the" '
     "--max-new-tokens 40": Run(),
-    "torchrun --standalone --nproc-per-node 2 tools/generate.py --load runs/gpt_tiny/checkpoints "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "tools/generate.py --load runs/gpt_tiny/checkpoints "
     "--input prompts.jsonl --output out.jsonl": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split test": Run(),
-    "torchrun --standalone --nproc-per-node 4 tools/evaluate.py --tensor-parallel-size 2 "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 4 "
+    "tools/evaluate.py --tensor-parallel-size 2 "
     "--load runs/gpt_tiny/checkpoints --task wikitext --input wiki.test.tokens --stride 64": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lambada --input "
     "lambada_test.jsonl": Run(),
@@ -221,7 +223,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--keep-newlines --workers 8 --partitions 2": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task wikitext --input "
     "wiki.test.tokens --stride 64": Run(),
-    "torchrun --standalone --nproc-per-node 4 tools/evaluate.py --tensor-parallel-size 2 --load "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 4 "
+    "tools/evaluate.py --tensor-parallel-size 2 --load "
     "runs/gpt_tiny/checkpoints --task lambada --input lambada_test.jsonl": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split valid": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --task lm --split "
@@ -230,7 +233,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--max-new-tokens 32": Run(),
     "python tools/generate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --prompt "
     '"def main("': Run(replace=TINY),
-    "torchrun --standalone --nproc-per-node 2 tools/generate.py --load runs/gpt_tiny/checkpoints "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "tools/generate.py --load runs/gpt_tiny/checkpoints "
     "--input prompts.jsonl --output out.jsonl --batch-size 8 --top-p 0.9 --seed 7": Run(
         replace=(("out.jsonl", "out-sampled.jsonl"),)  # the README's run wrote out.jsonl
     ),
@@ -240,7 +244,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     ),
     "python tools/export_hf.py --load runs/bert_tiny/checkpoints --iteration 200 --output "
     "hf/bert_tiny --dtype bf16": Run(replace=TINY),
-    "torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config runs/gpt2/config.yaml "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "pretrain_gpt.py --config runs/gpt2/config.yaml "
     "data.paths=[data/corpus_gpt2_text_document] parallel.tensor_parallel_size=2 "
     "training.train_iters=10": Run(),
     "mkdir -p logs": Run(),
@@ -265,9 +270,11 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "NNODES=2 GPUS_PER_NODE=2 bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_tiny.yaml": (
         Run()
     ),
-    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "pretrain_gpt.py --config "
     "configs/gpt_tiny.yaml": Run(append=SHORT),
-    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "pretrain_gpt.py --config "
     "configs/moe_tiny.yaml training.train_iters=20": Run(append=SHORT),
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80": Run(),
@@ -282,7 +289,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "python tools/checkpoint_util.py --load runs/gpt_tiny/checkpoints --output "
     "runs/gpt_tiny/merged --merge": Run(),
     # docs/profiling.md: a trace of iterations 3 and 4, then its files (ls fails without them)
-    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "pretrain_gpt.py --config "
     "configs/gpt_tiny.yaml training.train_iters=6 optimizer.lr_warmup_iters=0 "
     "checkpoint.save=runs/profiled logging.tensorboard_dir=runs/profiled/tensorboard "
     "'logging.profile_steps=[3,4]'": Run(),
@@ -424,6 +432,13 @@ def test_every_documented_command_has_a_check():
     stale = [c for c in CHECKS if c not in DOCUMENTED]
     assert not missing, "documented commands without a check in CHECKS:\n" + "\n".join(missing)
     assert not stale, "CHECKS entries no longer documented:\n" + "\n".join(stale)
+
+
+def test_documented_launches_end_in_one_line():
+    """Every documented torchrun launch is megatron.launch.torchrun's: plain torchrun would bury a
+    worker's one-line mistake under its own traceback and exit 1."""
+    plain = [c for c in documented_commands() if re.search(r"(^|\s)torchrun\s", c)]
+    assert not plain, plain
 
 
 @pytest.mark.slow

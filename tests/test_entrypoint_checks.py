@@ -146,6 +146,7 @@ def test_the_dry_run_counts_hdf5_rows_against_every_split(tmp_path):
         "model.max_position_embeddings=16", f"tokenizer.vocab_file={BERT_VOCAB}",
         "training.train_iters=2", "training.micro_batch_size=1", "training.global_batch_size=2",
         "training.eval_interval=2", "optimizer.lr_warmup_iters=0",
+        f"data.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
     fits = load_config(["configs/bert_tiny.yaml"], [*args[3:], "training.eval_iters=0"])
     out = io.StringIO()

@@ -25,9 +25,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from megatron.config.load import load_config
 from megatron.interop.export import export_hf
 from megatron.interop.importer import import_hf
 from megatron.interop.verify import TOLERANCE, sample_inputs
+from megatron.launch.preflight import validate
 from tests.distributed import run_distributed
 from tests.gpt_run import _tool, read_metrics
 from tests.test_export_hf import (
@@ -166,17 +168,18 @@ def test_the_printed_commands_continue_pretraining(gpt2):
     config = yaml.safe_load((ours / "config.yaml").read_text())
     assert config["parallel"]["tensor_parallel_size"] == 1
     assert config["optimizer"]["lr_warmup_iters"] == 0
-    assert config["checkpoint"] | {"save": None} == {
-        "load": str(ours),
+    assert config["checkpoint"] == {
+        "load": "${config_dir}",
         "finetune": True,
-        "save": None,
+        "save": "${config_dir}/finetuned",
         "save_interval": 500,
     }
-    finetuned = Path(config["checkpoint"]["save"])
+    finetuned = Path(load_config([str(ours / "config.yaml")]).checkpoint.save)
     assert not finetuned.exists() and finetuned.parent == ours
     before = {p.name: p.read_bytes() for p in (ours / "iter_0000000").iterdir()}
     one, torchrun = gpt2["hint"]
-    assert torchrun.startswith("torchrun --standalone --nproc-per-node 2 ")
+    launcher = "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    assert torchrun.startswith(launcher)
     assert torchrun.endswith(" parallel.tensor_parallel_size=2")
     for command, iters, said in (
         (one, 3, "fine-tuning the weights of"),
@@ -192,6 +195,17 @@ def test_the_printed_commands_continue_pretraining(gpt2):
         assert logged[-1]["iteration"] == iters and all(0 < e["lm_loss"] < 20 for e in logged)
     assert {p.name: p.read_bytes() for p in (ours / "iter_0000000").iterdir()} == before
     assert (ours / "latest").read_text() == "0\n"
+
+
+def test_the_import_moves_as_one_directory(gpt2, tmp_path):
+    """config.yaml names the checkpoint and the tokenizer by ``${config_dir}``: a copy of the
+    import elsewhere loads its own files, and the entrypoint's checks pass there."""
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(gpt2["ours"], moved)
+    cfg = load_config([str(moved / "config.yaml")], [f"data.paths=[{gpt2['data']}]"])
+    assert cfg.checkpoint.load == str(moved) and cfg.checkpoint.save == str(moved / "finetuned")
+    assert cfg.tokenizer.model == str(moved / "tokenizer" / "tokenizer.json")
+    validate(cfg, 1)
 
 
 def test_export_of_import_gives_the_same_tensors(gpt2, tmp_path):

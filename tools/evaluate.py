@@ -3,8 +3,9 @@ last-word accuracy, or the loss on one split of indexed data. Prints one JSON li
 
     python tools/evaluate.py --load runs/gpt/checkpoints --task wikitext --input wiki.test.tokens \\
         --stride 64
-    torchrun --standalone --nproc-per-node 4 tools/evaluate.py --tensor-parallel-size 2 \\
-        --load runs/gpt/checkpoints --task lambada --input lambada_test.jsonl
+    python -m megatron.launch.torchrun --standalone --nproc-per-node 4 tools/evaluate.py \\
+        --tensor-parallel-size 2 --load runs/gpt/checkpoints --task lambada \\
+        --input lambada_test.jsonl
     python tools/evaluate.py --load runs/gpt/checkpoints --task lm --split valid
 
 The TP size is --tensor-parallel-size (default: the world size), whatever the checkpoint's; the

@@ -1,8 +1,8 @@
 """Generate text from a checkpoint, at the TP size of the launch (the world size).
 
     python tools/generate.py --load runs/gpt/checkpoints --prompt "def main(" --max-new-tokens 32
-    torchrun --standalone --nproc-per-node 2 tools/generate.py --load runs/gpt/checkpoints \\
-        --input prompts.jsonl --output out.jsonl --top-p 0.9 --seed 7
+    python -m megatron.launch.torchrun --standalone --nproc-per-node 2 tools/generate.py \\
+        --load runs/gpt/checkpoints --input prompts.jsonl --output out.jsonl --top-p 0.9 --seed 7
 
 Greedy unless one of --temperature, --top-k, --top-p is given. --input lines are JSON objects
 with a "prompt"; each output line is that object plus "text" and "tokens" (the continuation

@@ -6,8 +6,9 @@ mixtures of experts (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalL
 
     python tools/import_hf.py --input hf/gpt2 --output runs/gpt2 --tensor-parallel-size 2 --verify
     python pretrain_gpt.py --config runs/gpt2/config.yaml data.paths=[data/gpt2_text_document]
-    torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --config runs/gpt2/config.yaml \\
-        data.paths=[data/gpt2_text_document] parallel.tensor_parallel_size=2
+    python -m megatron.launch.torchrun --standalone --nproc-per-node 2 pretrain_gpt.py \\
+        --config runs/gpt2/config.yaml data.paths=[data/gpt2_text_document] \\
+        parallel.tensor_parallel_size=2
 
 The input needs config.json, model.safetensors (never pytorch_model.bin: nothing is unpickled)
 and its tokenizer files: GPT-2's and BERT's are taken as they are, a Llama-family model's

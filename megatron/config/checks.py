@@ -1,52 +1,20 @@
 """Config checks: every user mistake named by key with its fix, before any process starts work.
 
-``validate`` runs them all; ``check_world`` alone is what ``Config.derived`` needs.
+``check_all`` reports every mistake at once (what ``launch.preflight.validate`` runs);
+``check_world`` alone is what ``Config.derived`` needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from megatron.config.fixes import divisor_list, divisors, either, multiple_list, multiples
 from megatron.config.model_checks import check_decoder, check_moe
+from megatron.config.ranges import range_mistakes
 from megatron.config.schema import TOKENIZER_FILES, Config, split_fractions, weighted_paths
 from megatron.errors import ConfigError
-
-# Numeric ranges, one table so every key is covered once; null values are not checked.
-_POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads model.seq_length
-    model.max_position_embeddings model.ffn_hidden_size model.make_vocab_size_divisible_by
-    model.layernorm_epsilon model.rotary_base model.num_query_groups model.kv_channels
-    model.num_experts model.moe_ffn_hidden_size model.moe_shared_expert_intermediate_size
-    parallel.tensor_parallel_size parallel.pipeline_parallel_size parallel.context_parallel_size
-    parallel.expert_parallel_size
-    parallel.virtual_pipeline_size parallel.timeout_minutes
-    parallel.ddp_bucket_size_mb training.micro_batch_size training.global_batch_size
-    training.train_iters training.train_samples training.eval_interval training.exit_interval
-    training.exit_duration_in_mins training.max_consecutive_nan optimizer.lr
-    optimizer.lr_decay_iters optimizer.adam_eps precision.loss_scale precision.initial_loss_scale
-    precision.loss_scale_window precision.hysteresis precision.min_loss_scale
-    checkpoint.save_interval checkpoint.keep_last logging.log_interval bert.max_ngram""".split()
-_NON_NEGATIVE = """model.init_method_std training.eval_iters training.test_iters data.num_workers
-    optimizer.min_lr optimizer.weight_decay optimizer.clip_grad optimizer.lr_warmup_iters
-    optimizer.lr_warmup_init bert.num_tokentypes""".split()
-_FRACTION = """model.hidden_dropout model.attention_dropout optimizer.adam_beta1
-    optimizer.adam_beta2 bert.masked_lm_prob bert.short_seq_prob""".split()  # in [0, 1)
-
-
-def _check_ranges(cfg: Config) -> None:
-    for key in _POSITIVE + _NON_NEGATIVE + _FRACTION:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value is None:
-            continue
-        if key in _POSITIVE and not value > 0:
-            raise ConfigError(f"{key}={value} must be positive; fix the value")
-        if key in _NON_NEGATIVE and not value >= 0:
-            raise ConfigError(f"{key}={value} must be zero or positive; fix the value")
-        if key in _FRACTION and not 0 <= value < 1:
-            raise ConfigError(f"{key}={value} must be in [0, 1); fix the value")
-
 
 # While a hint's values are tried, the checks they fail word their refusals without hints of
 # their own (a search inside a search).
@@ -54,24 +22,21 @@ _TRYING = [False]
 
 
 def _working(cfg: Config, key: str, values: list[int], world_size: int | None = None) -> list[int]:
-    """Those of ``values`` that, set as ``key``, pass every check (the world's too, at
-    ``world_size``): a hint never suggests what the next check refuses."""
+    """Those of ``values`` that, set as ``key``, fix a mistake and make none (the world's checks
+    too, at ``world_size``): a hint never suggests what the next check refuses, whatever other
+    keys are wrong besides."""
     if _TRYING[0]:
         return values
     section, name = key.split(".")
     found = []
     _TRYING[0] = True
     try:
+        others = set(_all_mistakes(cfg, world_size))
         for value in values:
             part = dataclasses.replace(getattr(cfg, section), **{name: value})
             tried = dataclasses.replace(cfg, **{section: part})
-            try:
-                check_config(tried)
-                if world_size is not None:
-                    check_world(tried, world_size)
-            except ConfigError:
-                continue
-            found.append(value)
+            if set(_all_mistakes(tried, world_size)) < others:
+                found.append(value)
     finally:
         _TRYING[0] = False
     return found
@@ -96,7 +61,8 @@ def _use(
 def check_world(cfg: Config, world_size: int) -> None:
     """The checks that need the world size: tp * cp * pp | world, tp | heads, mbs * dp | gbs,
     and the interleaved schedule's micro-batches a multiple of pp."""
-    _check_ranges(cfg)
+    if out_of_range := range_mistakes(cfg):
+        raise ConfigError(out_of_range[0])
     tp, heads = cfg.parallel.tensor_parallel_size, cfg.model.num_attention_heads
     pp, virtual = cfg.parallel.pipeline_parallel_size, cfg.parallel.virtual_pipeline_size
     cp = cfg.parallel.context_parallel_size
@@ -230,10 +196,8 @@ def _check_profiling(cfg: Config) -> None:
             )
 
 
-def check_config(cfg: Config) -> None:
-    """The checks that need neither the world size nor the file system."""
-    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.precision
-    tp = cfg.parallel.tensor_parallel_size
+def _check_widths(cfg: Config) -> None:
+    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model."
@@ -245,23 +209,27 @@ def check_config(cfg: Config) -> None:
             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel."
             f"tensor_parallel_size={tp}; use {multiples(m.ffn_hidden_size, tp)}"
         )
-    check_decoder(cfg)
-    check_moe(cfg)
-    _check_pipeline(cfg)
+
+
+def _check_overlap(cfg: Config) -> None:
     if cfg.parallel.overlap_param_gather and not cfg.parallel.distributed_optimizer:
         raise ConfigError(
             "parallel.overlap_param_gather=true overlaps the distributed optimizer's parameter "
             "all-gather; set parallel.distributed_optimizer=true too, or set it to false"
         )
-    if cfg.parallel.sequence_parallel and tp == 1:
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    m, tp = cfg.model, cfg.parallel.tensor_parallel_size
+    if not cfg.parallel.sequence_parallel:
+        return
+    if tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (it splits "
             "activations over the TP group); set it to false or raise the TP size"
         )
-    _check_context_parallel(cfg)
-    _check_profiling(cfg)
     cp = cfg.parallel.context_parallel_size
-    if cfg.parallel.sequence_parallel and m.seq_length % (tp * cp):
+    if m.seq_length % (tp * cp):
         lengths = multiple_list(m.seq_length, tp * cp)
         fallback = f"use a multiple of {tp * cp}"
         fix = _use(cfg, "model.seq_length", lengths, None, fallback, m.seq_length)
@@ -270,22 +238,37 @@ def check_config(cfg: Config) -> None:
             f"parallel.tensor_parallel_size={tp} (x parallel.context_parallel_size={cp}); "
             f"{fix}, or set sequence_parallel=false"
         )
+
+
+def _check_positions(cfg: Config) -> None:
+    m = cfg.model
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings"
             f"={m.max_position_embeddings}; raise it to at least {m.seq_length}"
         )
+
+
+def _check_bert(cfg: Config) -> None:
     b = cfg.bert
-    if m.type == "bert" and 0 < b.num_tokentypes < 2 and b.binary_head != "none":
+    if cfg.model.type == "bert" and 0 < b.num_tokentypes < 2 and b.binary_head != "none":
         raise ConfigError(
             f"bert.num_tokentypes={b.num_tokentypes}: sentence pairs have token types 0 and 1; "
             "use 2 (or 0 for no token-type embedding)"
         )
+
+
+def _check_loss_scale(cfg: Config) -> None:
+    p = cfg.precision
     if p.min_loss_scale > p.initial_loss_scale:
         raise ConfigError(
             f"precision.min_loss_scale={p.min_loss_scale} exceeds precision."
             f"initial_loss_scale={p.initial_loss_scale}; lower it"
         )
+
+
+def _check_length(cfg: Config) -> None:
+    t = cfg.training
     if t.train_iters is None:
         raise ConfigError("set training.train_iters or training.train_samples (how long to train)")
     if t.train_samples is not None and t.train_iters != -(-t.train_samples // t.global_batch_size):
@@ -294,18 +277,26 @@ def check_config(cfg: Config) -> None:
             f"train_samples={t.train_samples} / global_batch_size="
             f"{t.global_batch_size}; set only one of them"
         )
+
+
+def _check_schedule(cfg: Config) -> None:
+    o = cfg.optimizer
     if o.min_lr > o.lr or o.lr_warmup_init > o.lr:
         raise ConfigError(
             f"optimizer.min_lr={o.min_lr} and optimizer.lr_warmup_init="
             f"{o.lr_warmup_init} must not exceed optimizer.lr={o.lr}; lower them"
         )
-    if o.lr_decay_style != "constant" and o.lr_warmup_iters >= o.lr_decay_iters:
-        warmups = sorted({0, o.lr_decay_iters // 10, o.lr_decay_iters - 1} - {-1})
-        fix = _use(cfg, "optimizer.lr_warmup_iters", warmups, None, "shorten the warmup")
-        raise ConfigError(
-            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below optimizer."
-            f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); {fix}"
-        )
+    if o.lr_decay_style != "constant" and o.lr_decay_iters is not None:
+        if o.lr_warmup_iters >= o.lr_decay_iters:
+            warmups = sorted({0, o.lr_decay_iters // 10, o.lr_decay_iters - 1} - {-1})
+            fix = _use(cfg, "optimizer.lr_warmup_iters", warmups, None, "shorten the warmup")
+            raise ConfigError(
+                f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be below optimizer."
+                f"lr_decay_iters={o.lr_decay_iters} (default: training.train_iters); {fix}"
+            )
+
+
+def _check_finetune(cfg: Config) -> None:
     ckpt = cfg.checkpoint
     if ckpt.finetune and not ckpt.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to tune)")
@@ -316,8 +307,70 @@ def check_config(cfg: Config) -> None:
             f"checkpoint.finetune=true saves into checkpoint.load={ckpt.load}, the pretrained "
             "checkpoint; set checkpoint.save to a directory of its own"
         )
+
+
+def _check_data(cfg: Config) -> None:
     weighted_paths(cfg.data.paths)
     split_fractions(cfg.data.split)
+
+
+def _check_tokenizer(cfg: Config) -> None:
     for key in TOKENIZER_FILES[cfg.tokenizer.type].split():
         if not getattr(cfg.tokenizer, key):
             raise ConfigError(f"tokenizer.type={cfg.tokenizer.type} needs tokenizer.{key}; set it")
+
+
+# Independent of each other: each finds its own mistake whatever the others find.
+_CONFIG_CHECKS = (_check_widths, check_decoder, check_moe, _check_pipeline, _check_overlap,
+                  _check_sequence_parallel, _check_context_parallel, _check_profiling,
+                  _check_positions, _check_bert, _check_loss_scale, _check_length,
+                  _check_schedule, _check_finetune, _check_data, _check_tokenizer)  # fmt: skip
+
+
+def _mistakes(cfg: Config, checks) -> list[str]:
+    found = []
+    for check in checks:
+        try:
+            check(cfg)
+        except ConfigError as err:
+            found.append(str(err))
+    return found
+
+
+def _all_mistakes(cfg: Config, world_size: int | None) -> list[str]:
+    found = range_mistakes(cfg)
+    if not found:
+        if world_size is not None:
+            found = _mistakes(cfg, [lambda c: check_world(c, world_size)])
+        found += _mistakes(cfg, _CONFIG_CHECKS)
+    return found
+
+
+def check_config(cfg: Config) -> None:
+    """The checks that need neither the world size nor the file system; the first mistake."""
+    for check in _CONFIG_CHECKS:
+        check(cfg)
+
+
+def _lead(mistake: str) -> str:
+    """The ``section.key=value`` a mistake's line starts with (NUL, found nowhere, if none)."""
+    lead = re.match(r"[a-z_]+\.[a-z_]+=[^\s;:,]+", mistake)
+    return lead.group(0) if lead else "\0"
+
+
+def check_all(cfg: Config, world_size: int | None) -> None:
+    """Every mistake ``check_world`` (at ``world_size``, unless None) and ``check_config`` find,
+    in one ConfigError of a line each: a user fixes them all in one pass. A value out of range
+    is reported alone (every range at once), since the other checks divide by such values; a
+    wrong value is reported once, by the first check that refuses it."""
+    found: list[str] = []
+    for mistake in _all_mistakes(cfg, world_size):
+        # One report per wrong value: a later check refusing the same key=value is its echo
+        # (TP 3 divides neither the heads nor the query groups), fixed by the same change.
+        if not any(re.search(rf"\b{re.escape(_lead(m))}(?![\w.])", mistake) for m in found):
+            found.append(mistake)
+    if len(found) > 1:
+        lines = "\n".join(f"  {i}. {message}" for i, message in enumerate(found, 1))
+        raise ConfigError(f"{len(found)} config mistakes, each with its fix:\n{lines}")
+    if found:
+        raise ConfigError(found[0])

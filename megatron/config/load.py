@@ -104,9 +104,33 @@ def _key_lines(node: yaml.Node, path: str, prefix: str = "") -> dict[str, int]:
     return lines
 
 
+# In a config file, the directory that holds it: a directory of files with their config (an
+# import's checkpoint and tokenizer) can move as a whole.
+CONFIG_DIR = "${config_dir}"
+
+
+def _in_dir(value: Any, directory: str) -> Any:
+    """``value`` with ``CONFIG_DIR`` in its strings (in lists and mappings too) as ``directory``."""
+    if isinstance(value, str):
+        return value.replace(CONFIG_DIR, directory)
+    if isinstance(value, list):
+        return [_in_dir(v, directory) for v in value]
+    if isinstance(value, dict):
+        return {k: _in_dir(v, directory) for k, v in value.items()}
+    return value
+
+
 def load_config(paths: Sequence[str], overrides: Sequence[str] = ()) -> Config:
-    """Merge YAML files (later wins) and ``section.key=value`` overrides into a resolved Config."""
-    return _load(((path, *_read_yaml(path)) for path in paths), overrides)
+    """Merge YAML files (later wins) and ``section.key=value`` overrides into a resolved Config;
+    ``${config_dir}`` in a file's values is that file's directory."""
+    return _load(
+        (
+            (path, _in_dir(data, os.path.dirname(os.path.abspath(path))), lines)
+            for path in paths
+            for data, lines in [_read_yaml(path)]
+        ),
+        overrides,
+    )
 
 
 def config_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] = ()) -> Config:

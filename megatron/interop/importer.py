@@ -9,7 +9,8 @@
                                     model, the copied tokenizer, TP=1 (the checkpoint reshards
                                     on load to whatever TP a run asks for), checkpoint.load=DIR
                                     with finetune=true and save=DIR/finetuned, and training
-                                    defaults; data.paths is left to the user
+                                    defaults; data.paths is left to the user. Its paths into
+                                    DIR are ${config_dir} paths: DIR moves as a whole
 
 Everything is checked (architecture, config.json, every tensor, the tokenizer's vocabulary)
 before anything is written; DIR appears only once complete.
@@ -27,7 +28,7 @@ import yaml
 
 from megatron.atomic_file import write_contents
 from megatron.checkpoint.format import checkpoint_name, read_meta
-from megatron.config.load import config_from_dict
+from megatron.config.load import CONFIG_DIR, config_from_dict
 from megatron.config.schema import TokenizerConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.data.tokenizers.factory import build_tokenizer, family
@@ -86,6 +87,16 @@ def _sections(
     }
 
 
+def _in_config_dir(value: Any, output: str) -> Any:
+    """``value`` with the paths under ``output`` (absolute) as ``${config_dir}`` paths: the
+    import can move, or be copied to another machine, as one directory."""
+    if isinstance(value, str) and (value == output or value.startswith(output + os.sep)):
+        return CONFIG_DIR + value[len(output) :]
+    if isinstance(value, dict):
+        return {k: _in_config_dir(v, output) for k, v in value.items()}
+    return value
+
+
 def _commands(output: str, kind: str, tp_size: int) -> list[str]:
     """One process, and (for a checkpoint saved at TP > 1) torchrun at its TP size: the
     commands that continue pretraining the import in ``output`` on the user's data."""
@@ -95,7 +106,7 @@ def _commands(output: str, kind: str, tp_size: int) -> list[str]:
     args = f"{script} --config {os.path.join(output, CONFIG_YAML)} data.paths=[PREFIX]"
     if tp_size == 1:
         return [f"python {args}"]
-    torchrun = f"torchrun --standalone --nproc-per-node {tp_size}"
+    torchrun = f"python -m megatron.launch.torchrun --standalone --nproc-per-node {tp_size}"
     return [f"python {args}", f"{torchrun} {args} parallel.tensor_parallel_size={tp_size}"]
 
 
@@ -187,7 +198,9 @@ def import_hf(
                 "# data.paths is yours to give, e.g. on the command line:\n"
                 + "".join(f"#   {c}\n" for c in commands)
             )
+            relocatable = _in_config_dir(sections, os.path.abspath(output))
             write_contents(
-                os.path.join(tmp, CONFIG_YAML), header + yaml.safe_dump(sections, sort_keys=False)
+                os.path.join(tmp, CONFIG_YAML),
+                header + yaml.safe_dump(relocatable, sort_keys=False),
             )
         return os.path.join(output, checkpoint_name(0))

@@ -12,7 +12,7 @@ import urllib.parse
 import numpy as np
 
 from megatron.atomic_file import free_bytes, mib
-from megatron.config.checks import check_config, check_world
+from megatron.config.checks import check_all
 from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
@@ -180,8 +180,7 @@ def validate(cfg: Config, world_size: int, check_files: bool = True) -> list[str
     ``check_files=False`` skips the checks of this machine, its files and optional packages
     (shipped configs, dry runs elsewhere).
     """
-    check_world(cfg, world_size)
-    check_config(cfg)
+    check_all(cfg, world_size)
     if not check_files:
         return []
     _check_packages(cfg)
