@@ -294,8 +294,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "configs/gpt_tiny.yaml training.train_iters=6 optimizer.lr_warmup_iters=0 "
     "checkpoint.save=runs/profiled logging.tensorboard_dir=runs/profiled/tensorboard "
     "'logging.profile_steps=[3,4]'": Run(),
-    "ls runs/profiled/tensorboard/profile/rank0.*.pt.trace.json "
-    "runs/profiled/tensorboard/profile/rank1.*.pt.trace.json": Run(),
+    "ls runs/profiled/tensorboard/profile/rank0.*.pt.trace.json.gz "
+    "runs/profiled/tensorboard/profile/rank1.*.pt.trace.json.gz": Run(),
     # docs/moe.md: the mixture-of-experts configs
     "python pretrain_gpt.py --config configs/mixtral_8x7b.yaml --dry-run --world-size 64 "
     "--gpu-memory-gb 80": Run(),

@@ -5,6 +5,7 @@ checked against stand-ins for torch.cuda.memory's recorder, since it needs a GPU
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -28,10 +29,12 @@ def _run(gpt_data, run_dir, nproc=1, check=True, **extra):
 
 def _traces(run_dir, ranks):
     """Each rank's one trace: torch's loader opens it, and it marks only the profiled steps."""
-    files = {r: list((run_dir / "tb" / "profile").glob(f"rank{r}.*.pt.trace.json")) for r in ranks}
+    profile = run_dir / "tb" / "profile"
+    files = {r: list(profile.glob(f"rank{r}.*.pt.trace.json.gz")) for r in ranks}
     assert all(len(f) == 1 for f in files.values()), files
     for (path,) in files.values():
-        assert "traceEvents" in json.loads(path.read_text())
+        with gzip.open(path, "rt") as f:
+            assert "traceEvents" in json.load(f)
         passed, violations = validate_trace(str(path))
         assert passed, violations
         steps = {
@@ -52,16 +55,18 @@ def test_a_run_with_nothing_to_train_says_no_profile_was_recorded(gpt_data, tmp_
     its window recorded nothing, and no trace appears."""
     save = {"checkpoint.save": tmp_path / "ckpt", "logging.profile_steps": "[3,4]"}
     _run(gpt_data, tmp_path, nproc=2, **save)
-    traces = sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json"))
+    traces = sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json.gz"))
     again = _run(gpt_data, tmp_path, nproc=2, **save)
     output = again.stdout + again.stderr
     assert output.count("logging.profile_steps=[3, 4]: nothing was recorded") == 1, output
-    assert sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json")) == traces
+    assert sorted((tmp_path / "tb" / "profile").glob("*.pt.trace.json.gz")) == traces
 
 
 @pytest.mark.slow
 def test_profile_steps_write_a_trace_per_rank(gpt_data, tmp_path):
-    _run(gpt_data, tmp_path, nproc=2, **{"logging.profile_steps": "[3,4]"})
+    """Each rank's trace, gzipped; Kineto's own profiler_start/stop lines stay out of the log."""
+    run = _run(gpt_data, tmp_path, nproc=2, **{"logging.profile_steps": "[3,4]"})
+    assert "profiler_st" not in run.stdout + run.stderr
     _traces(tmp_path, [0, 1])
 
 

@@ -220,7 +220,7 @@ class LoggingConfig:
     metrics_file: str | None = _doc("JSON-lines metrics file; null: off.", None)
     profile_steps: list[int] | None = _doc(
         "[start, end]: torch.profiler trace of iterations start..end (CPU, and CUDA on GPUs), "
-        "one rank<N>.*.pt.trace.json per rank (Chrome trace and TensorBoard plugin) in "
+        "one rank<N>.*.pt.trace.json.gz per rank (Chrome trace and TensorBoard plugin) in "
         "<tensorboard_dir>/profile, else <checkpoint.save>/profile; null: off.",
         None,
     )
@@ -228,6 +228,12 @@ class LoggingConfig:
         "[start, end]: CUDA allocator history over iterations start..end, dumped as "
         "rank<N>.memory_snapshot.pickle per rank (pytorch.org/memory_viz) where profile_steps "
         "writes; CUDA only, refused on CPU; null: off.",
+        None,
+    )
+    straggler_threshold: float | None = _doc(
+        "On log steps, name (rank, host, phase) each rank whose data or compute time per "
+        "iteration is at least this many times its pipeline stage's median rank's (e.g. 1.5); "
+        "null: off. Every rank's phase times go to the metrics file and TensorBoard either way.",
         None,
     )
     wandb_project: str | None = _doc(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from megatron.training.exit import ExitPolicy
 from megatron.training.metrics import MetricsLogger, gather_memory, memory_mb
 from megatron.training.profiling import Profiling
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
+from megatron.training.stragglers import PhaseTimes, Straggler, find_stragglers
 
 Batch = dict[str, Tensor]
 # forward_step(model, batch) -> each loss's sum and count (``LossSums``), which the library
@@ -66,6 +68,12 @@ class TrainLoop:
     heartbeat: Heartbeat | None = None  # told the iteration, to say where a lost rank stopped
     stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
     checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
+    times: PhaseTimes = field(init=False, repr=False)
+    hosts: list[str] = field(default_factory=list, init=False, repr=False)
+    stages: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.times = PhaseTimes(self.state.rank)
 
     def logs_at(self, iteration: int) -> bool:
         t = self.cfg.training
@@ -79,8 +87,9 @@ class TrainLoop:
 
     def _next_batch(self, data: Iterator[Batch]) -> Batch:
         """The next micro-batch on the device: this rank's share of it (``split_batch``)."""
-        batch = to_device(next(data), self.state.device)
-        return split_batch(batch, self.state, self.cfg.model.type)
+        with self.times.data():
+            batch = to_device(next(data), self.state.device)
+            return split_batch(batch, self.state, self.cfg.model.type)
 
     def train_step(
         self, data: Iterator[Batch], policy: ExitPolicy
@@ -99,30 +108,39 @@ class TrainLoop:
             routing.reset()
             # The MoE losses' gradients: what backward multiplies the step's loss by.
             routing.backward_scale = self._for_backward(1.0)
+        times = self.times
         if self.stage is not None:
-            step.add(self._pipeline_step(data), self.num_micro)
+            data_before = times.seconds["data"]
+            with times.phase("compute"):
+                step.add(self._pipeline_step(data), self.num_micro)
+            # The schedule draws its micro-batches as it goes: their wait is data, not compute.
+            times.seconds["compute"] -= times.seconds["data"] - data_before
         else:
             for i in range(self.num_micro):
                 batch = self._next_batch(data)
                 # Only the last micro-batch's backward all-reduces gradients over DP.
                 last = i == self.num_micro - 1
-                with contextlib.nullcontext() if last else self.ddp.no_sync():
-                    loss, values = micro_batch_loss(self.forward_step(self.train.model, batch))
-                    self._for_backward(loss).backward()
+                with times.phase("compute"):
+                    with contextlib.nullcontext() if last else self.ddp.no_sync():
+                        loss, values = micro_batch_loss(self.forward_step(self.train.model, batch))
+                        self._for_backward(loss).backward()
                 step.add(values)
-        self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
-        # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
-        # slice of the sequence only (QK norms': its heads); one all-reduce over TP sums them
-        # before clipping. Else no parameter is flagged: skip the scan.
-        if self.cfg.parallel.sequence_parallel or self.cfg.model.qk_layernorm:
-            allreduce_sequence_parallel_grads(self.train.model, self.state.tp_group)
+        with times.phase("grad_sync"):
+            self.ddp.finish_grad_sync()  # launches the buckets not launched yet, waits for all
+            # Sequence parallelism: LayerNorm and row-parallel-bias gradients cover this rank's
+            # slice of the sequence only (QK norms': its heads); one all-reduce over TP sums them
+            # before clipping. Else no parameter is flagged: skip the scan.
+            if self.cfg.parallel.sequence_parallel or self.cfg.model.qk_layernorm:
+                allreduce_sequence_parallel_grads(self.train.model, self.state.tp_group)
         # A logged step's memory: host-side reads, after backward and before the update.
         logged = self.logs_at(self.train.progress.iteration + 1)
         memory = memory_mb(self.state.device, self.train.optimizer.state_bytes()) if logged else {}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
         extra = None if routing is None else routing.pack()
-        result = self.train.optimizer.step(step.pack(policy.local_flags(), extra))
+        with times.phase("optimizer"):
+            result = self.train.optimizer.step(step.pack(policy.local_flags(), extra))
+        times.steps += 1
         means, flags, figures = step.unpack(result.sums)
         if routing is not None:  # the routing metrics, and the expert biases moved by them
             means.update(routing.finish(figures, self.num_micro, self.state.replicas))
@@ -178,6 +196,25 @@ class TrainLoop:
         # The evaluation's one host sync: its means are logged now.
         means, flags, _ = step.unpack(local.tolist())
         return means, flags
+
+    def _stragglers(self, per_rank: dict[str, list[float]], step_ms: float) -> list[Straggler]:
+        """The ranks ``find_stragglers`` names in this window's phase times (none without
+        logging.straggler_threshold, nor in this process's first window, whose first step does
+        one-off work: lazy initialisation, allocator warm-up); the first call learns every rank's
+        host and stage."""
+        threshold = self.cfg.logging.straggler_threshold
+        if threshold is None:
+            return []
+        if not self.hosts:
+            mine = (socket.gethostname(), self.state.pp_rank)
+            every = [mine] * self.state.world_size
+            if self.state.world_size > 1:
+                dist.all_gather_object(every, mine, group=self.state.host_group)
+            self.hosts = [host for host, _ in every]
+            self.stages = [stage for _, stage in every]
+            return []
+        # A phase must also cost 5% of the step more than its median to count.
+        return find_stragglers(per_rank, self.stages, self.hosts, threshold, 0.05 * step_ms)
 
     def save(self) -> None:
         """A checkpoint of this iteration under checkpoint.save (if set); with
@@ -251,9 +288,14 @@ class TrainLoop:
             p.window.add(means, seconds, not result.updated, nan)
 
             if self.logs_at(p.iteration):
-                samples, every_rank = p.consumed_train_samples, gather_memory(memory, self.state)
-                lr = self.train.optimizer.lr
-                self.metrics.training(p.iteration, samples, p.window, lr, result, every_rank)
+                phases = self.times.window_ms()
+                every_rank = gather_memory({**memory, **phases}, self.state)
+                per_rank = {name: every_rank.pop(name) for name in phases}
+                slow = self._stragglers(per_rank, 1000 * p.window.seconds / p.window.steps)
+                lr, samples = self.train.optimizer.lr, p.consumed_train_samples
+                self.metrics.training(
+                    p.iteration, samples, p.window, lr, result, every_rank, per_rank, slow
+                )
                 p.window = LogWindow()
             if evaluated is not None:
                 self.metrics.validation(p.iteration, p.consumed_train_samples, evaluated)

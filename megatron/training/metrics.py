@@ -7,6 +7,7 @@ import json
 import math
 import os
 import resource
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from megatron.estimate.workload import Workload
 from megatron.logging import log
 from megatron.optim.optimizer import StepResult
 from megatron.parallel.state import ParallelState
+from megatron.training.stragglers import Straggler
 from megatron.training.wandb_logger import WandbRun
 
 # The console names of ``memory_mb``'s figures, each written rank 0's/rank 1's/... (so the
@@ -135,6 +137,8 @@ class MetricsLogger:
         lr: float,
         step: StepResult,
         memory: dict[str, list[float]],
+        phases: dict[str, list[float]] | None = None,
+        stragglers: Sequence[Straggler] = (),
     ) -> None:
         """The line for ``window``, which ends at ``iteration`` after ``samples`` samples.
 
@@ -142,7 +146,10 @@ class MetricsLogger:
         ``memory``: each ``memory_mb`` figure of every rank (index: global rank), read after the
         last step's backward and before its update: a peak covers every earlier update, so at
         iteration 1 it does not yet hold the Adam moments torch allocates in the first update.
+        ``phases``: every rank's ms per iteration in each phase of the step (``PhaseTimes``), in
+        the metrics file and TensorBoard; ``stragglers``: the ranks they name, a warning line each.
         """
+        phases = phases or {}
         means, work = window.means(), self.work
         seconds = window.seconds / window.steps
         tokens_per_s = work.tokens_per_iter / seconds
@@ -162,13 +169,15 @@ class MetricsLogger:
                 "tokens_per_s": tokens_per_s,
                 "tflops": tflops,
                 **memory,
+                **phases,
+                **({"stragglers": [s._asdict() for s in stragglers]} if stragglers else {}),
             }
         )
         scalars = {"learning-rate": lr, **means, "loss-scale": scale, "grad-norm": norm}
         self.scalars({**scalars, "iteration-time": seconds}, iteration, samples)
         per_rank = {  # one curve per rank: mem-peak-mb/rank-0, ...
             f"{name.replace('_', '-')}/rank-{rank}": value
-            for name, values in memory.items()
+            for name, values in {**memory, **phases}.items()
             for rank, value in enumerate(values)
         }
         for name, value in per_rank.items():
@@ -190,6 +199,13 @@ class MetricsLogger:
             **{_MEMORY_LABELS[k]: "/".join(f"{v:.1f}" for v in vs) for k, vs in memory.items()},
         }
         log.info(format_line(fields))
+        first = iteration - window.steps + 1
+        for s in stragglers:
+            log.warning(
+                "straggler: rank %d (%s) spends %.1f ms per iteration in %s, its pipeline "
+                "stage's median rank %.1f ms (iterations %d-%d)",
+                s.rank, s.host, s.ms, s.phase, s.median_ms, first, iteration,
+            )  # fmt: skip
 
     def validation(
         self, iteration: int, samples: int, means: dict[str, float], split: str = "validation"
