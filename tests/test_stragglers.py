@@ -60,5 +60,5 @@ def test_a_slowed_rank_is_named_and_an_unslowed_run_names_none(gpt_data, tmp_pat
     (quiet, quiet_log), (slowed, slowed_log) = names
     assert quiet == set() and "straggler:" not in quiet_log
     assert slowed == {(1, socket.gethostname(), "data")}
-    assert f"straggler: rank 1 ({socket.gethostname()}) spends" in slowed_log
+    assert slowed_log.count(f"straggler: rank 1 ({socket.gethostname()}) spends") == 1
     assert "in data, its pipeline stage's median rank" in slowed_log

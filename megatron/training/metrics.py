@@ -100,6 +100,7 @@ class MetricsLogger:
         cfg: Config | None = None,
     ):
         self.work = work
+        self.enabled = enabled  # the one rank that logs: its warnings are the run's, once
         self.tb: Any = _NullWriter()
         self.metrics = None
         self.wandb: WandbRun | None = None
@@ -200,7 +201,7 @@ class MetricsLogger:
         }
         log.info(format_line(fields))
         first = iteration - window.steps + 1
-        for s in stragglers:
+        for s in stragglers if self.enabled else ():
             log.warning(
                 "straggler: rank %d (%s) spends %.1f ms per iteration in %s, its pipeline "
                 "stage's median rank %.1f ms (iterations %d-%d)",
