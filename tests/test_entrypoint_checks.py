@@ -156,3 +156,17 @@ def test_the_dry_run_counts_hdf5_rows_against_every_split(tmp_path):
     short = _entrypoint("pretrain_bert.py", *args, "training.eval_iters=2")
     assert short.returncode == 2 and "config valid" not in short.stdout
     assert "the hdf5 shards give the valid split 2 samples but the run needs 8" in short.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_warns_once_under_tp2(gpt_data, tmp_path):
+    """Resuming with a longer run moves the LR decay: the changed settings are one warning on
+    the console, not one per rank ("[rank 1] ...")."""
+    keys = {"checkpoint.save": tmp_path / "ckpt", "training.eval_iters": 0}
+    keys["optimizer.lr_warmup_iters"] = 0
+    first = tiny_overrides(gpt_data, tmp_path, **keys, **{"training.train_iters": 2})
+    run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", first, 2)
+    longer = tiny_overrides(gpt_data, tmp_path, **keys, **{"training.train_iters": 3})
+    out = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", longer, 2)
+    said = (out.stdout + out.stderr).count("learning-rate settings differ from the checkpoint's")
+    assert said == 1, out.stdout + out.stderr

@@ -301,7 +301,12 @@ def load_checkpoint(
         scaler = meta["grad_scaler"] or optimizer.scaler.state_dict()
         optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
     if train.schedule is not None and meta["lr_schedule"] is not None:
-        train.schedule.load_state_dict(meta["lr_schedule"])
+        changed = train.schedule.load_state_dict(meta["lr_schedule"])
+        if changed and state.rank == 0:
+            logger.warning(
+                "learning-rate settings differ from the checkpoint's %s; using the config's",
+                changed,
+            )
     if tracker is not None:
         if rng is not None:
             set_rng_state(*rng, tracker)

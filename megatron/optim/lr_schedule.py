@@ -13,13 +13,10 @@ The first step therefore runs at ``init`` (0 by default) when there is a warmup,
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 from megatron.config.schema import OptimizerConfig
-
-logger = logging.getLogger(__name__)
 
 
 class LRSchedule:
@@ -92,12 +89,8 @@ class LRSchedule:
             "warmup_init": self.warmup_init,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the step count; the current config's settings win over the saved ones."""
+    def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Resume the step count; the current config's settings win over the saved ones, which
+        are returned where they differ (the caller says so, once for the run)."""
         self.num_steps = int(state["num_steps"])
-        changed = {k: v for k, v in state.items() if k != "num_steps" and getattr(self, k) != v}
-        if changed:
-            logger.warning(
-                "learning-rate settings differ from the checkpoint's %s; using the config's",
-                changed,
-            )
+        return {k: v for k, v in state.items() if k != "num_steps" and getattr(self, k) != v}
