@@ -354,7 +354,7 @@ def test_continued_pretraining_starts_from_the_imported_loss(llamas, tmp_path):
 
     m = llamas["LlamaForCausalLM", "base"]
     config_yaml = str(m["tp1"] / "config.yaml")
-    tokenizer = asdict(load_config([config_yaml]).tokenizer)
+    tokenizer = asdict(load_config([config_yaml], ["data.paths=[unused]"]).tokenizer)
     write_corpus(tmp_path / "corpus.jsonl", num_docs=100)
     _tool(
         "tools/preprocess_data.py", "--input", str(tmp_path / "corpus.jsonl"),

@@ -22,6 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from megatron.config.load import CONFIG_DIR
 from megatron.data.tokenizers.factory import build_tokenizer
 from megatron.errors import ConfigError
 from megatron.interop.export import export_hf
@@ -105,8 +106,11 @@ def without_weights(hf_dir: Path, dest: Path, **config: object) -> Path:
 
 
 def imported_tokenizer(ours: Path) -> tuple[dict, object]:
-    """config.yaml's tokenizer section of the import ``ours``, and the tokenizer it builds."""
-    section = yaml.safe_load((ours / "config.yaml").read_text())["tokenizer"]
+    """config.yaml's tokenizer section of the import ``ours`` (its ``${config_dir}`` paths as
+    the loader reads them), and the tokenizer it builds."""
+    written = yaml.safe_load((ours / "config.yaml").read_text())["tokenizer"]
+    section = {k: v.replace(CONFIG_DIR, str(ours)) if isinstance(v, str) else v
+               for k, v in written.items()}  # fmt: skip
     return section, build_tokenizer(**section)
 
 

@@ -174,7 +174,8 @@ def test_the_printed_commands_continue_pretraining(gpt2):
         "save": "${config_dir}/finetuned",
         "save_interval": 500,
     }
-    finetuned = Path(load_config([str(ours / "config.yaml")]).checkpoint.save)
+    given = [f"data.paths=[{gpt2['data']}]"]
+    finetuned = Path(load_config([str(ours / "config.yaml")], given).checkpoint.save)
     assert not finetuned.exists() and finetuned.parent == ours
     before = {p.name: p.read_bytes() for p in (ours / "iter_0000000").iterdir()}
     one, torchrun = gpt2["hint"]

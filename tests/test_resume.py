@@ -23,7 +23,8 @@ from megatron.checkpoint.format import checkpoint_name
 from tests.gpt_run import ROOT, run_pretrain, tiny_overrides
 
 CONFIG = "configs/gpt_tiny.yaml"
-# Wall-clock fields differ between runs, and so do measured memory figures (``mem_*``).
+# Wall-clock fields differ between runs (the step's phases too, ``phase_*``), and so do
+# measured memory figures (``mem_*``).
 TIMING = ("ms_per_iter", "tokens_per_s", "tflops")
 
 
@@ -34,7 +35,8 @@ def metric_lines(path: Path) -> list[dict]:
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     lines = [e for e in lines if "save_total_ms" not in e and "load_total_ms" not in e]
     return [
-        {k: v for k, v in e.items() if k not in TIMING and not k.startswith("mem_")} for e in lines
+        {k: v for k, v in e.items() if k not in TIMING and not k.startswith(("mem_", "phase_"))}
+        for e in lines
     ]
 
 

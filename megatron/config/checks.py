@@ -322,7 +322,7 @@ def _check_tokenizer(cfg: Config) -> None:
 
 # Independent of each other: each finds its own mistake whatever the others find.
 _CONFIG_CHECKS = (_check_widths, check_decoder, check_moe, _check_pipeline, _check_overlap,
-                  _check_sequence_parallel, _check_context_parallel, _check_profiling,
+                  _check_context_parallel, _check_sequence_parallel, _check_profiling,
                   _check_positions, _check_bert, _check_loss_scale, _check_length,
                   _check_schedule, _check_finetune, _check_data, _check_tokenizer)  # fmt: skip
 
@@ -352,23 +352,24 @@ def check_config(cfg: Config) -> None:
         check(cfg)
 
 
-def _lead(mistake: str) -> str:
-    """The ``section.key=value`` a mistake's line starts with (NUL, found nowhere, if none)."""
-    lead = re.match(r"[a-z_]+\.[a-z_]+=[^\s;:,]+", mistake)
-    return lead.group(0) if lead else "\0"
+# A ``section.key=value`` a mistake's line names.
+_SETTING = re.compile(r"\b[a-z_]+\.[a-z_]+=[^\s;:,()]+")
 
 
 def check_all(cfg: Config, world_size: int | None) -> None:
     """Every mistake ``check_world`` (at ``world_size``, unless None) and ``check_config`` find,
     in one ConfigError of a line each: a user fixes them all in one pass. A value out of range
     is reported alone (every range at once), since the other checks divide by such values; a
-    wrong value is reported once, by the first check that refuses it."""
+    wrong value is reported once, by the first check that names it."""
     found: list[str] = []
+    named: set[str] = set()
     for mistake in _all_mistakes(cfg, world_size):
-        # One report per wrong value: a later check refusing the same key=value is its echo
-        # (TP 3 divides neither the heads nor the query groups), fixed by the same change.
-        if not any(re.search(rf"\b{re.escape(_lead(m))}(?![\w.])", mistake) for m in found):
+        # One report per wrong value: a later check naming a key=value an earlier one named is
+        # its echo (TP 3 divides neither the heads nor the query groups), fixed by one change.
+        values = set(_SETTING.findall(mistake))
+        if not values & named:
             found.append(mistake)
+        named |= values
     if len(found) > 1:
         lines = "\n".join(f"  {i}. {message}" for i, message in enumerate(found, 1))
         raise ConfigError(f"{len(found)} config mistakes, each with its fix:\n{lines}")
