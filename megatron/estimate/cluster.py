@@ -38,7 +38,7 @@ class Cluster:
     intra_node_gb_per_s: float  # NVLink / NVSwitch, each way per GPU
     inter_node_gb_per_s: float  # the network, each way per GPU
     link_efficiency: float  # the fraction of a link's bandwidth that NCCL's rings reach
-    intra_node_latency_us: float
+    intra_node_latency_us: float  # per step of a ring (one hop), not per collective
     inter_node_latency_us: float
     gemm_efficiency: list[list[float]]  # [GFLOP of one GEMM, fraction of peak], ascending
 
