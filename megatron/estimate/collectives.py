@@ -44,7 +44,7 @@ class Links:
     pp: Link
     dp: Link  # the DP x CP replicas that reduce the dense gradients
     ep: Link
-    names: dict[str, bool]  # group -> whether it crosses nodes (for the report)
+    crosses_nodes: dict[str, bool]  # group -> whether it crosses nodes (for the report)
 
     @classmethod
     def of(cls, cluster: Cluster, tp: int, cp: int, pp: int, dp: int, ep: int) -> Links:
@@ -59,4 +59,4 @@ class Links:
         }
         sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp * cp, "ep": ep}
         crosses = {g: sizes[g] > 1 and span[g] > node for g in span}
-        return cls(**{g: cluster.link(crosses[g]) for g in span}, names=crosses)
+        return cls(**{g: cluster.link(crosses[g]) for g in span}, crosses_nodes=crosses)

@@ -171,7 +171,7 @@ def step_time(
         tokens_per_s=cfg.training.global_batch_size * m.seq_length / seconds,
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / kernels.peak,
-        crosses_nodes=links.names,
+        crosses_nodes=links.crosses_nodes,
     )
 
 
