@@ -192,3 +192,23 @@ def test_bad_profiles_get_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         step_time(cfg, vocab, "gpt", 1, load_cluster("dgx2h-v100"))
     assert "precision.dtype=bf16" in _one_line(e)
+
+
+def test_moe_costs_follow_the_active_experts_and_ep_adds_all_to_alls():
+    """Top-k sets the experts' work (not the number of experts held); EP adds the dispatch and
+    combine all-to-alls to every layer's forward and backward, which no compute hides (its
+    step may still be faster: the experts' gradients then have fewer replicas to reduce)."""
+    cluster, world = load_cluster("dgx-h100"), 64
+    base = ["parallel.pipeline_parallel_size=4", "training.global_batch_size=64"]
+
+    def layout(*overrides: str):
+        return _layout("mixtral_8x7b", [*base, *overrides])[0]
+
+    top1 = step_time(layout("model.moe_router_topk=1"), 32000, "gpt", world, cluster)
+    top2 = step_time(layout(), 32000, "gpt", world, cluster)
+    assert top1.seconds < top2.seconds
+    for kind in "FB":
+        plain = unit_passes(layout(), 32000, world, cluster)[kind, 1, 0]
+        ep = unit_passes(layout("parallel.expert_parallel_size=8"), 32000, world, cluster)
+        # the same rows in fewer, larger expert GEMMs: never slower
+        assert ep[kind, 1, 0].exposed > plain.exposed and ep[kind, 1, 0].compute <= plain.compute
