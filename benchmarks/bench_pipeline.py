@@ -65,12 +65,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.pipeline_replay import (  # noqa: E402
-    observed_delays,
-    replay_bubble,
-    transfer_delays,
-    uniform,
-)
+from benchmarks.pipeline_replay import observed_delays, uniform  # noqa: E402
 from megatron.config.model import ModelConfig  # noqa: E402
 from megatron.models.transformer import TransformerLayer  # noqa: E402
 from megatron.parallel.pipeline import (  # noqa: E402
@@ -82,6 +77,7 @@ from megatron.parallel.pipeline import (  # noqa: E402
     one_f_one_b,
 )
 from megatron.parallel.pipeline.p2p import start_exchange  # noqa: E402
+from megatron.parallel.pipeline.replay import replay_bubble, transfer_delays  # noqa: E402
 from megatron.parallel.pipeline.timeline import ideal_bubble  # noqa: E402
 from megatron.parallel.random import RNGTracker  # noqa: E402
 from megatron.parallel.state import ParallelState  # noqa: E402

@@ -175,6 +175,10 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "--gpu-memory-gb 32 model.recompute=full": Run(),
     "python pretrain_gpt.py --config configs/gpt_39b.yaml --dry-run --world-size 16 "
     "--gpu-memory-gb 80": Run(),
+    "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --dry-run --cluster dgx2h-v100 "
+    "--nodes 32 precision.dtype=fp16 training.micro_batch_size=8": Run(),
+    "python pretrain_gpt.py --config configs/gpt_8.3b.yaml --plan --cluster dgx2h-v100 --nodes 4 "
+    "precision.dtype=fp16": Run(),
     "python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --output-prefix data/my "
     "--tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt "
     "--append-eod --workers 16": Run(),

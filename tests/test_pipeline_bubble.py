@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_pipeline import FixedCostChunk, Shape, pipeline_run
-from benchmarks.pipeline_replay import observed_delays, replay_bubble, transfer_delays
+from benchmarks.pipeline_replay import observed_delays
 from megatron.parallel.pipeline import (
     ActivationSpec,
     Event,
@@ -25,25 +25,16 @@ from megatron.parallel.pipeline import (
     bubble_fraction,
     interleaved_one_f_one_b,
 )
-from megatron.parallel.pipeline.timeline import ideal_bubble, schedule_units
+from megatron.parallel.pipeline.replay import replay_bubble, schedule_events, transfer_delays
+from megatron.parallel.pipeline.timeline import ideal_bubble
 from tests.distributed import run_distributed
 
 STEPS, WARMUP = 5, 1
 
 
 def ideal_events(p: int, v: int, m: int, forward: float, backward: float) -> list[list[Event]]:
-    """Each stage's units in the schedules' order, numbered by micro-batch, of fixed durations
-    (only durations matter to the replay)."""
-    stages = []
-    for s in range(p):
-        seen: dict[tuple[str, int], int] = {}  # (kind, chunk) -> units so far = micro-batch
-        events = []
-        for kind, chunk in schedule_units(p, v, m, s):
-            microbatch = seen.get((kind, chunk), 0)
-            seen[kind, chunk] = microbatch + 1
-            events.append(Event(kind, chunk, microbatch, 0.0, forward if kind == "F" else backward))
-        stages.append(events)
-    return stages
+    """Each stage's units in the schedules' order, of fixed durations."""
+    return schedule_events(p, v, m, lambda kind, _s, _c: forward if kind == "F" else backward)
 
 
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (3, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8)])

@@ -227,6 +227,19 @@ def resolve(cfg: Config) -> Config:
     )
 
 
+DRY_RUN_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--gpu-memory-gb", {"type": float, "help": "dry run: memory of one GPU in GB (default: "
+                         "the --cluster profile's)"}),
+    ("--cluster", {"metavar": "NAME_OR_YAML", "help": "dry run: predict the step time on this "
+                   "cluster (dgx2h-v100, dgx-a100-80gb, dgx-h100, dgx-h200, or a profile file)"}),
+    ("--nodes", {"type": int, "help": "dry run, --plan: nodes of --cluster (world = nodes x "
+                 "GPUs per node)"}),
+    ("--json", {"action": "store_true", "help": "dry run: the whole report as one JSON object"}),
+    ("--plan", {"action": "store_true", "help": "search the layouts that fit --nodes of "
+                "--cluster; print the five fastest"}),
+)  # fmt: skip
+
+
 def parse_args(argv: Sequence[str], description: str = "") -> tuple[Config, argparse.Namespace]:
     """``--config a.yaml [--config b.yaml] [section.key=value ...]`` plus the dry-run flags."""
     parser = argparse.ArgumentParser(description=description)
@@ -257,6 +270,7 @@ def parse_args(argv: Sequence[str], description: str = "") -> tuple[Config, argp
     parser.add_argument(
         "--world-size", type=int, help="dry run, preflight: the world size to check for"
     )
-    parser.add_argument("--gpu-memory-gb", type=float, help="dry run: memory of one GPU in GB")
+    for flag, kwargs in DRY_RUN_FLAGS:
+        parser.add_argument(flag, **kwargs)
     args = parser.parse_intermixed_args(list(argv))
     return load_config(args.config, args.overrides), args

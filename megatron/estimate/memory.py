@@ -113,6 +113,13 @@ class MemoryEstimate:
         """Peak bytes as configured."""
         return self.total_with(self.recompute)
 
+    def figures_gib(self) -> dict[str, float]:
+        """The peak by kind in GiB (activations: with the logits and transient buffers)."""
+        kinds = ("weights", "main_grads", "main_params", "adam_moments", "embedding_grad")
+        figures = {kind: getattr(self, kind) / GIB for kind in kinds}
+        activations = self.total - self.states - self.embedding_grad
+        return figures | {"activations": activations / GIB, "total": self.total / GIB}
+
 
 def estimate_memory(
     cfg: Config,

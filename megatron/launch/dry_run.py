@@ -17,6 +17,8 @@ is an error. Exit code: 0 when it fits or no GPU size was given, 1 when it does 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import signal
 import sys
@@ -50,6 +52,7 @@ from megatron.launch.data_checks import (
     missing_files,
     vocab_size,
 )
+from megatron.launch.dry_run_time import cluster_and_world, report_time
 from megatron.launch.preflight import check_load_path, validate
 from megatron.parallel.pipeline.timeline import ideal_bubble
 
@@ -211,17 +214,24 @@ def _report_stages(cfg: Config, stages: list[MemoryEstimate], worst: int, out: T
 
 
 def dry_run(
-    cfg: Config, args: argparse.Namespace, model_type: ModelType = "gpt", out: TextIO | None = None
+    cfg: Config,
+    args: argparse.Namespace,
+    model_type: ModelType = "gpt",
+    out: TextIO | None = None,
+    facts: dict | None = None,
 ) -> int:
     """Validate, check the files, report memory and FLOPs; 0 if it fits (or no size), else 1.
 
-    ``args`` carries ``world_size`` (default: one replica, TP x CP x PP GPUs) and ``gpu_memory_gb``
-    (GiB, as vendors' "32 GB" means). Config and file errors raise ConfigError.
+    ``args`` carries ``world_size`` (default: one replica, TP x CP x PP GPUs, or ``nodes`` of the
+    ``cluster``, whose predicted step time is then reported) and ``gpu_memory_gb`` (GiB, as
+    vendors' "32 GB" means; default: the cluster's). ``facts``, when given, receives the report's
+    figures (``--json``). Config and file errors raise ConfigError.
     """
-    out = out or sys.stdout
+    out, facts = out or sys.stdout, {} if facts is None else facts
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     cp = cfg.parallel.context_parallel_size
-    world = args.world_size or tp * cp * pp
+    cluster, cluster_world = cluster_and_world(args)
+    world = args.world_size or cluster_world or tp * cp * pp
     validate(cfg, world, check_files=False)
     check_load_path(cfg, missing_ok=True)  # a file where a directory belongs is an error here too
     missing = missing_files(cfg)
@@ -239,7 +249,7 @@ def dry_run(
         f"{derived.num_micro_batches} micro-batches of {cfg.training.micro_batch_size} per step "
         f"on each rank; config valid\n"
     )
-    if not args.world_size:
+    if not args.world_size and not cluster_world:
         out.write(f"  (no --world-size: checked for one replica of {tp * cp * pp} GPU(s))\n")
     if pp > 1:
         schedule = f"interleaved 1F1B, {chunks} chunks per stage" if chunks > 1 else "1F1B"
@@ -275,14 +285,19 @@ def dry_run(
     mem = _report_memory(cfg, padded, model_type, derived.dp_size, out)
     flops = Workload.of(cfg, padded, world).flops_per_iter
     out.write(f"FLOPs per iteration: {flops:.3e} in all, {flops / world:.3e} per GPU\n")
+    facts.update(world_size=world, flops_per_iter=flops)
+    facts["memory_gib_per_gpu"] = mem.figures_gib()
+    if cluster is not None:
+        facts.update(report_time(cfg, padded, model_type, world, cluster, out))
     saved = mib(checkpoint_bytes(cfg, padded, model_type))
     out.write(f"checkpoint: about {saved} per save (weights and optimizer state of every rank)\n")
     for warning in warnings:
         out.write(f"WARNING: {warning}\n")
-    gb = args.gpu_memory_gb
+    gb = args.gpu_memory_gb or (cluster.gpu_memory_gb if cluster else None)
+    facts["fits"] = None  # no GPU size given: not judged
     if gb is None:
         return 0
-    ok = fits(mem.total, gb)
+    ok = facts["fits"] = fits(mem.total, gb)
     out.write(
         f"fits in {gb:g} GB: {'yes' if ok else 'no'} ({mem.total / GIB:.2f} GiB of "
         f"{usable_bytes(gb) / GIB:.2f} GiB usable: {RESERVED_FRACTION:.0%} of the GPU is kept for "
@@ -298,7 +313,17 @@ def dry_run_to_stdout(cfg: Config, args: argparse.Namespace, model_type: ModelTy
     """``dry_run`` onto stdout, as every entrypoint's ``--dry-run`` runs it; its exit code, or
     141 without a traceback when the reader stops early (``--dry-run | head -3``)."""
     try:
-        code = dry_run(cfg, args, model_type)
+        if args.plan:
+            from megatron.launch.plan import plan_to
+
+            code = plan_to(cfg, args, model_type, sys.stdout)
+        elif args.json:  # the text report too, as lines, in the one object
+            text, facts = io.StringIO(), {}
+            code = dry_run(cfg, args, model_type, text, facts)
+            json.dump(facts | {"report": text.getvalue().splitlines()}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            code = dry_run(cfg, args, model_type)
         sys.stdout.flush()  # a reader gone by the last lines fails this, not Python's exit
     except BrokenPipeError:
         # Python flushes stdout again at exit: onto /dev/null, where that cannot fail.

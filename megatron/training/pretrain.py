@@ -80,7 +80,7 @@ def main(
                 f"{cfg.model.type}.py with it, or give a {model_type} config"
             )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, type=model_type))
-        if args.dry_run:
+        if args.dry_run or args.plan:
             from megatron.launch.dry_run import dry_run_to_stdout
 
             return dry_run_to_stdout(cfg, args, model_type)

@@ -1,0 +1,130 @@
+"""The step-time model against measured iterations of pretrain_gpt.py on this machine.
+
+Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput by size and copy
+bandwidth of one thread, measured in one process alone and in two at once, since two processes
+on a shared 2-core machine get less than two cores; gloo's all-reduce bandwidth and latency
+between the two), then
+runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
+vocab 512) at TP1 (one process), TP2, DP2, PP2, TP2 with sequence parallelism and DP2 with the
+distributed optimizer (two processes of one thread each), and sets the model's ms/iteration
+beside each run's fastest iteration after warm-up (its metrics file; the median too). The
+calibration keeps each figure's fastest repeat and the runs their fastest iteration alike: on a
+machine shared with other work, both then describe the machine, not its other tenants. Prints
+one JSON line, with the machine's load.
+
+    .venv/bin/python benchmarks/bench_perf_model.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_pretrain import SHAPE as MODEL_SHAPE  # noqa: E402
+from megatron.config.load import load_config  # noqa: E402
+from megatron.estimate.calibrate import (  # noqa: E402
+    cpu_profile,
+    gemm_table,
+    link_figures,
+    stream_bandwidth,
+)
+from megatron.estimate.cluster import load_cluster  # noqa: E402
+from megatron.estimate.step_time import step_time  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.gpt_run import prepare_gpt_data, read_metrics, run_pretrain, tiny_overrides  # noqa: E402
+
+SHAPE = {  # bench_pretrain.py's model, at a batch that splits over DP 2 and PP 2
+    **MODEL_SHAPE,
+    "training.micro_batch_size": 4,
+    "training.global_batch_size": 16,
+    "training.eval_iters": 0,
+}
+ITERS, WARMUP = 20, 4
+LAYOUTS = {  # name -> (processes, overrides)
+    "TP1": (1, {"parallel.tensor_parallel_size": 1}),
+    "TP2": (2, {"parallel.tensor_parallel_size": 2}),
+    "DP2": (2, {"parallel.tensor_parallel_size": 1}),
+    "PP2": (2, {"parallel.tensor_parallel_size": 1, "parallel.pipeline_parallel_size": 2}),
+    "TP2+SP": (2, {"parallel.tensor_parallel_size": 2, "parallel.sequence_parallel": "true"}),
+    "DP2+distopt": (
+        2,
+        {"parallel.tensor_parallel_size": 1, "parallel.distributed_optimizer": "true"},
+    ),
+}
+
+
+def _measure(world: int) -> tuple:
+    """GEMMs and copies on every process at once (as a layout of ``world`` processes runs
+    them), then, with two, the link between them."""
+    cpu = torch.device("cpu")
+    torch.set_num_threads(1)
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    peak, table = gemm_table(cpu, torch.float32)
+    stream = stream_bandwidth(cpu)
+    return peak, table, stream, link_figures() if world > 1 else (1.0, 1.0)
+
+
+def calibrate(out: Path) -> dict[int, Path]:
+    """Measure this machine with one process and with two; a profile for each, under ``out``."""
+    one, two = run_distributed(_measure, 1, 1)[0], run_distributed(_measure, 2, 2)[0]
+    paths = {}
+    for processes, (peak, table, stream, _) in ((1, one), (2, two)):
+        paths[processes] = out / f"this-cpu-{processes}.yaml"
+        profile = cpu_profile(f"this-cpu-{processes}", peak, table, stream, two[3])
+        paths[processes].write_text(yaml.safe_dump(profile))
+    return paths
+
+
+def measured_ms(data: dict, run_dir: Path, nproc: int, overrides: list[str]) -> tuple[float, float]:
+    """(fastest, median) ms/iteration after warm-up."""
+    run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, nproc=nproc, timeout=900)
+    times = [e["ms_per_iter"] for e in read_metrics(run_dir / "metrics.jsonl")][WARMUP:]
+    return min(times), statistics.median(times)
+
+
+def main() -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters = {n: load_cluster(str(p)) for n, p in calibrate(Path(tmp)).items()}
+        data = prepare_gpt_data(Path(tmp))
+        for name, (nproc, layout) in LAYOUTS.items():
+            run_dir = Path(tmp) / name
+            extra = {**SHAPE, **layout, "training.train_iters": ITERS}
+            overrides = tiny_overrides(data, run_dir, **extra)
+            cfg = load_config(["configs/gpt_tiny.yaml"], overrides)
+            padded = cfg.derived(nproc).padded_vocab_size(512)
+            predicted = step_time(cfg, padded, "gpt", nproc, clusters[nproc]).seconds * 1e3
+            fastest, median = measured_ms(data, run_dir, nproc, overrides)
+            results[name] = {
+                "predicted_ms": round(predicted, 1),
+                "measured_ms": round(fastest, 1),
+                "measured_median_ms": round(median, 1),
+                "error": round(predicted / fastest - 1, 3),
+            }
+    within = sum(abs(r["error"]) <= 0.2 for r in results.values())
+    profile = {
+        f"{n}_process": {
+            "peak_gflops": round(c.peak("fp32") / 1e9, 1),
+            "copy_gb_per_s": round(c.hbm_gb_per_s, 2),
+            "gloo_gb_per_s": round(c.intra_node_gb_per_s, 3),
+            "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
+        }
+        for n, c in clusters.items()
+    }
+    line = {"layouts": results, "within_20_percent": f"{within} of {len(results)}"}
+    print(json.dumps(line | {"profile": profile, "loadavg": os.getloadavg()[0]}))
+
+
+if __name__ == "__main__":
+    main()

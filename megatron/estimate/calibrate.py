@@ -1,0 +1,99 @@
+"""Calibrating a cluster profile from this machine: its GEMM throughput by size, its streaming
+bandwidth and its collectives' bandwidth and latency, measured, then written as a profile the
+step-time model reads (megatron/estimate/cluster.py).
+
+On CPU each "GPU" is one training process of one thread (the tests' and benchmarks' layout:
+processes x threads <= cores), so every figure is measured on one thread; the peak is the
+fastest GEMM measured, the table each size's fraction of it. The link is gloo's between the
+processes of a group, fitted to the ring's cost: an all-reduce over two ranks takes
+B / bandwidth + 2 * latency, so a small message gives the latency and a large one the bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+GEMM_SIDES = (32, 64, 128, 256, 512, 1024)  # square GEMMs of 2 * n^3 FLOPs
+STREAM_BYTES = 16 * 2**20
+SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    """The fastest of ``repeats`` timed calls: on a machine shared with other work, the one
+    least disturbed by it (what the machine itself does)."""
+    fn()  # warm-up: allocation, kernel selection
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
+def gemm_table(device: torch.device, dtype: torch.dtype) -> tuple[float, list[list[float]]]:
+    """(the fastest GEMM's FLOP/s, [[GFLOP, fraction of it], ...]) over ``GEMM_SIDES``."""
+    rates = []
+    for n in GEMM_SIDES:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        seconds = _best_seconds(lambda: a @ b, 7, _sync(device))  # noqa: B023
+        rates.append((2 * n**3, 2 * n**3 / seconds))
+    peak = max(rate for _, rate in rates)
+    return peak, [[flops / 1e9, round(rate / peak, 4)] for flops, rate in rates]
+
+
+def stream_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large copy (each byte read and written)."""
+    src = torch.empty(STREAM_BYTES // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * STREAM_BYTES / _best_seconds(lambda: dst.copy_(src), 9, _sync(device))
+
+
+def link_figures(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """(bytes/s, seconds per ring step) of the all-reduce on ``group`` (two ranks), measured in
+    place on fp32 tensors; every rank of the group calls it."""
+    n = dist.get_world_size(group)
+    steps, factor = 2 * (n - 1), 2 * (n - 1) / n
+
+    def all_reduce_seconds(nbytes: int) -> float:
+        x = torch.zeros(nbytes // 4)
+        return _best_seconds(lambda: dist.all_reduce(x, group=group), 15, dist.barrier)
+
+    small, large = all_reduce_seconds(SMALL_BYTES), all_reduce_seconds(LARGE_BYTES)
+    latency = small / steps
+    return factor * LARGE_BYTES / max(large - small, 1e-9), latency
+
+
+def cpu_profile(
+    name: str, peak: float, table: list[list[float]], stream: float, link: tuple[float, float]
+) -> dict:
+    """A profile (the fields of megatron/estimate/cluster.py's Cluster) for processes of one
+    thread on this machine: a node is its cores, every figure achievable as measured."""
+    cores = os.cpu_count() or 1
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    bandwidth, latency = link
+    return {
+        "name": name,
+        "device": "cpu",
+        "gpus_per_node": cores,
+        "gpu_memory_gb": round(memory_gb / cores, 1),
+        "peak_tflops": {"fp32": peak / 1e12},
+        "hbm_gb_per_s": stream / 1e9,
+        "hbm_efficiency": 1.0,
+        "intra_node_gb_per_s": bandwidth / 1e9,
+        "inter_node_gb_per_s": bandwidth / 1e9,
+        "link_efficiency": 1.0,
+        "intra_node_latency_us": latency * 1e6,
+        "inter_node_latency_us": latency * 1e6,
+        "gemm_efficiency": table,
+    }

@@ -1,0 +1,144 @@
+"""Cluster profiles for the step-time model: one GPU's peaks and bandwidths, and its links.
+
+A profile is a YAML file (the shipped ones in megatron/estimate/clusters/, sources in their
+comments and in docs/performance_model.md); ``--cluster`` takes a shipped name or a path. Every
+field is required; bandwidths are each way, per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import yaml
+
+from megatron.errors import ConfigError
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
+
+
+class Link(NamedTuple):
+    """A link's achievable bandwidth (bytes/s, each way, per GPU) and per-message latency (s)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: str  # "cuda" or "cpu": which overlaps the code turns on (megatron/parallel/layers.py)
+    gpus_per_node: int
+    gpu_memory_gb: float  # GiB, as the dry run's --gpu-memory-gb
+    peak_tflops: dict[str, float]  # dense tensor-core peak per precision.dtype
+    hbm_gb_per_s: float
+    hbm_efficiency: float  # the fraction of HBM bandwidth that streaming kernels reach
+    intra_node_gb_per_s: float  # NVLink / NVSwitch, each way per GPU
+    inter_node_gb_per_s: float  # the network, each way per GPU
+    link_efficiency: float  # the fraction of a link's bandwidth that NCCL's rings reach
+    intra_node_latency_us: float  # per step of a ring (one hop), not per collective
+    inter_node_latency_us: float
+    gemm_efficiency: list[list[float]]  # [GFLOP of one GEMM, fraction of peak], ascending
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s for ``dtype``; ConfigError when the profile has no figure for it."""
+        if dtype not in self.peak_tflops:
+            have = ", ".join(sorted(self.peak_tflops))
+            raise ConfigError(
+                f"cluster {self.name} has no peak_tflops for precision.dtype={dtype} (it has "
+                f"{have}); set precision.dtype to one of them or add it to the profile"
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+    def hbm(self) -> float:
+        """Achievable HBM bytes/s."""
+        return self.hbm_gb_per_s * 1e9 * self.hbm_efficiency
+
+    def link(self, crosses_nodes: bool) -> Link:
+        gb, us = (
+            (self.inter_node_gb_per_s, self.inter_node_latency_us)
+            if crosses_nodes
+            else (self.intra_node_gb_per_s, self.intra_node_latency_us)
+        )
+        return Link(gb * 1e9 * self.link_efficiency, us * 1e-6)
+
+    def gemm_fraction(self, flops: float) -> float:
+        """The fraction of peak a GEMM of ``flops`` reaches: log-linear between the table's
+        rows, flat beyond its ends (small GEMMs cannot fill the GPU's units)."""
+        table, x = self.gemm_efficiency, math.log10(max(flops, 1.0) / 1e9)
+        points = [(math.log10(g), f) for g, f in table]
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, f0), (x1, f1) in zip(points, points[1:]):
+            if x <= x1:
+                return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+        return points[-1][1]
+
+
+def shipped_clusters() -> list[str]:
+    return sorted(n.removesuffix(".yaml") for n in os.listdir(PROFILE_DIR) if n.endswith(".yaml"))
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A shipped profile by name, or a user's YAML file; every field checked, one line if wrong."""
+    path = name_or_path
+    if not os.path.isfile(path):
+        path = os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
+        if not os.path.isfile(path):
+            raise ConfigError(
+                f"--cluster {name_or_path}: no such profile; use one of "
+                f"{', '.join(shipped_clusters())} or the path of a YAML profile"
+            )
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read the cluster profile ({e}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a cluster profile maps field: value; see {PROFILE_DIR}")
+    values = {}
+    for f in fields(Cluster):
+        if f.name not in data:
+            raise ConfigError(
+                f"{path}: the cluster profile lacks '{f.name}'; add it (see the shipped "
+                f"profiles in {PROFILE_DIR})"
+            )
+        values[f.name] = data[f.name]
+    _check(path, values)
+    return Cluster(**values)
+
+
+def _check(path: str, v: dict) -> None:
+    """Types and ranges of a profile's fields: positive numbers, fractions in (0, 1]."""
+
+    def positive(x: object) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and 0 < x < math.inf
+
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"{path}: {key}={v[key]!r} must be {what}; fix the profile")
+
+    numbers = ("gpus_per_node", "gpu_memory_gb", "hbm_gb_per_s", "intra_node_gb_per_s")
+    for key in numbers + ("inter_node_gb_per_s", "intra_node_latency_us", "inter_node_latency_us"):
+        if not positive(v[key]):
+            raise bad(key, "a positive number")
+    for key in ("hbm_efficiency", "link_efficiency"):
+        if not positive(v[key]) or v[key] > 1:
+            raise bad(key, "a fraction in (0, 1]")
+    if v["device"] not in ("cuda", "cpu"):
+        raise bad("device", "cuda or cpu")
+    peaks = v["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks or not all(map(positive, peaks.values())):
+        raise bad("peak_tflops", "a mapping of dtype to a positive TFLOP/s, e.g. {bf16: 989}")
+    table = v["gemm_efficiency"]
+    rows_ok = (
+        isinstance(table, list)
+        and table
+        and all(
+            isinstance(r, list) and len(r) == 2 and positive(r[0]) and positive(r[1]) and r[1] <= 1
+            for r in table
+        )
+    )
+    if not rows_ok or [r[0] for r in table] != sorted({r[0] for r in table}):
+        raise bad("gemm_efficiency", "rows [GFLOP, fraction in (0, 1]] with ascending GFLOP")

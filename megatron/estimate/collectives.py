@@ -1,0 +1,62 @@
+"""What one collective costs on a link, and which link each parallel group's collectives cross.
+
+Ring algorithms (NCCL's, and gloo's for large messages): an all-reduce of B bytes over n ranks
+moves 2(n-1)/n * B through each rank's link in 2(n-1) steps; an all-gather or a reduce-scatter
+whose whole is B moves (n-1)/n * B in n-1 steps; an all-to-all in which each rank holds B sends
+(n-1)/n * B. Each step pays the link's latency (the scaling book's collectives chapter; NCCL's
+performance notes, "bus bandwidth").
+
+Placement follows the rank grid (DESIGN.md: [dp, pp, cp, tp], TP innermost): a group of ``size``
+ranks at ``stride`` spans stride * size consecutive ranks and crosses nodes when that exceeds a
+node's GPUs; a ring that crosses nodes runs at the network's per-GPU bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.estimate.cluster import Cluster, Link
+
+
+def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def all_gather(whole_bytes: float, n: int, link: Link) -> float:
+    """All-gather (or reduce-scatter) of a tensor of ``whole_bytes`` over ``n`` ranks."""
+    return 0.0 if n == 1 else (n - 1) / n * whole_bytes / link.bandwidth + (n - 1) * link.latency
+
+
+reduce_scatter = all_gather  # the same ring traffic, run the other way
+all_to_all = all_gather  # each rank keeps 1/n of what it holds and sends the rest
+
+
+def send(nbytes: float, link: Link) -> float:
+    return nbytes / link.bandwidth + link.latency
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link each group's collectives run on, for one layout on one cluster."""
+
+    tp: Link
+    cp: Link
+    pp: Link
+    dp: Link  # the DP x CP replicas that reduce the dense gradients
+    ep: Link
+    crosses_nodes: dict[str, bool]  # group -> whether it crosses nodes (for the report)
+
+    @classmethod
+    def of(cls, cluster: Cluster, tp: int, cp: int, pp: int, dp: int, ep: int) -> Links:
+        node = cluster.gpus_per_node
+        span = {
+            "tp": tp,
+            "cp": tp * cp,
+            "pp": tp * cp * pp,
+            "dp": tp * cp * pp * dp,
+            # EP groups take the CP ranks first, then DP replicas (at stride tp * cp * pp)
+            "ep": tp * ep if ep <= cp else tp * cp * pp * (ep // cp),
+        }
+        sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp * cp, "ep": ep}
+        crosses = {g: sizes[g] > 1 and span[g] > node for g in span}
+        return cls(**{g: cluster.link(crosses[g]) for g in span}, crosses_nodes=crosses)

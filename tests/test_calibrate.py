@@ -1,0 +1,51 @@
+"""Calibrating a profile from this machine (megatron/estimate/calibrate.py): what it measures
+becomes a profile the step-time model loads. The figures themselves are timings, checked by
+benchmarks/bench_perf_model.py against real runs, not here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron.config.load import load_config
+from megatron.errors import ConfigError
+from megatron.estimate.calibrate import (
+    GEMM_SIDES,
+    cpu_profile,
+    gemm_table,
+    link_figures,
+    stream_bandwidth,
+)
+from megatron.estimate.cluster import load_cluster
+from megatron.estimate.step_time import step_time
+from tests.distributed import run_distributed
+
+
+def test_a_measured_cpu_profile_loads_and_predicts(tmp_path):
+    torch.set_num_threads(1)
+    peak, table = gemm_table(torch.device("cpu"), torch.float32)
+    assert len(table) == len(GEMM_SIDES) and max(f for _, f in table) == 1.0
+    assert [g for g, _ in table] == sorted(g for g, _ in table)
+    path = tmp_path / "here.yaml"
+    profile = cpu_profile("here", peak, table, stream_bandwidth(torch.device("cpu")), (1e9, 1e-4))
+    path.write_text(yaml.safe_dump(profile))
+    cluster = load_cluster(str(path))
+    assert cluster.device == "cpu" and cluster.peak("fp32") == pytest.approx(peak)
+    cfg = load_config(["configs/gpt_tiny.yaml"], ["precision.dtype=fp32"])
+    assert step_time(cfg, 512, "gpt", 2, cluster).seconds > 0
+    with pytest.raises(ConfigError, match="precision.dtype=bf16"):
+        step_time(load_config(["configs/gpt_tiny.yaml"], ["precision.dtype=bf16"]), 512, "gpt",
+                  2, cluster)  # fmt: skip
+
+
+def _link() -> tuple[float, float]:
+    dist.init_process_group("gloo")
+    return link_figures()
+
+
+@pytest.mark.slow
+def test_the_link_is_measured_on_both_ranks_alike():
+    (bw0, lat0), (bw1, lat1) = run_distributed(_link, 2)
+    assert bw0 > 0 and bw1 > 0 and lat0 > 0 and lat1 > 0
