@@ -18,7 +18,7 @@ import pytest
 
 from megatron.errors import ConfigError
 from tests.distributed import run_distributed
-from tests.gpt_run import ROOT, WIDE_ONE_STEP, run_pretrain, tiny_overrides
+from tests.gpt_run import ROOT, WIDE_ONE_STEP, _tool, run_pretrain, tiny_overrides
 from tools.evaluate import build_parser, run
 
 TOKENIZERS = ROOT / "tests" / "fixtures" / "tokenizers"
@@ -61,8 +61,18 @@ metric_list:
 """
 
 
-def _tool(*args: str) -> None:
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True)
+NO_DATA = {"tokenizer": "", "data": ""}  # tiny_overrides' data keys, which gpt2_keys replace
+
+
+def gpt2_keys(data: str) -> dict[str, object]:
+    """The config keys of the fixture GPT-2 BPE and ``data`` tokenized with it."""
+    return {
+        "tokenizer.type": "gpt2",
+        "tokenizer.model": None,
+        "tokenizer.vocab_file": TOKENIZERS / "gpt2-vocab.json",
+        "tokenizer.merges_file": TOKENIZERS / "gpt2-merges.txt",
+        "data.paths": f"[{data}]",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -70,28 +80,20 @@ def gpt2_ckpt(tmp_path_factory) -> dict[str, str]:
     """A sample corpus in the fixture GPT-2 BPE, one training step on it (TP=1), its export."""
     run = tmp_path_factory.mktemp("lm_eval_gpt")
     corpus, prefix = run / "corpus.jsonl", run / "corpus"
-    vocab, merges = TOKENIZERS / "gpt2-vocab.json", TOKENIZERS / "gpt2-merges.txt"
+    vocab, merges = gpt2_keys("")["tokenizer.vocab_file"], gpt2_keys("")["tokenizer.merges_file"]
     _tool("tools/make_sample_corpus.py", "--output", str(corpus), "--size-mb", "0.05")
     _tool("tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
           "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
           "--merge-file", str(merges), "--append-eod")  # fmt: skip
-    extra = {
-        "tokenizer.type": "gpt2",
-        "tokenizer.model": None,
-        "tokenizer.vocab_file": vocab,
-        "tokenizer.merges_file": merges,
-        "data.paths": f"[{prefix}_text_document]",
-        "checkpoint.save": run / "ckpt",
-        **WIDE_ONE_STEP,
-    }
-    data = {"tokenizer": "", "data": ""}
-    run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", tiny_overrides(data, run, **extra))
+    extra = {**gpt2_keys(f"{prefix}_text_document"), "checkpoint.save": run / "ckpt"}
+    overrides = tiny_overrides(NO_DATA, run, **extra, **WIDE_ONE_STEP)
+    run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides)
     from megatron.interop.export import export_hf
 
     hf = export_hf(str(run / "ckpt"), str(run / "hf"))
     with open(corpus, encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
-    return {"ckpt": str(run / "ckpt"), "hf": hf, "texts": texts}
+    return {"ckpt": str(run / "ckpt"), "hf": hf, "texts": texts, "data": f"{prefix}_text_document"}
 
 
 def write_json(path: str, records: list[dict]) -> str:
@@ -288,3 +290,57 @@ def test_bad_input_is_one_line_before_the_model(monkeypatch, tmp_path, task_dir,
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     missing = refuse(monkeypatch, [*argv, "--tasks", "tiny_choice"])
     assert "needs lm-eval-harness, which is not installed: pip install lm-eval" in missing
+
+
+@pytest.mark.slow
+def test_in_loop_equals_offline(gpt2_ckpt, task_dir, tmp_path):
+    """A TP=2 x PP=2 run with training.eval_tasks scores the multiple-choice task at iterations
+    2 and 4 in place; tools/evaluate.py on that run's checkpoint of iteration 2, at one process,
+    gives the same accuracies, read from the metrics file; the console line shows them."""
+    from tools.evaluate import main
+
+    extra = {
+        **gpt2_keys(gpt2_ckpt["data"]),
+        "parallel.tensor_parallel_size": 2,
+        "parallel.pipeline_parallel_size": 2,
+        "model.init_method_std": 0.3,
+        "training.train_iters": 4,
+        "training.eval_tasks": "[tiny_choice]",
+        "training.eval_tasks_include_path": task_dir,
+        "training.eval_tasks_interval": 2,
+        "checkpoint.save": tmp_path / "ckpt",
+        "checkpoint.save_interval": 2,
+    }
+    overrides = tiny_overrides(NO_DATA, tmp_path, **extra)
+    proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, nproc=4)
+    assert "downstream tasks at iteration 2 | eval/tiny_choice/acc" in proc.stdout + proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    in_loop = {e["iteration"]: e for e in lines if "eval/tiny_choice/acc" in e}
+    assert sorted(in_loop) == [2, 4]
+    out = tmp_path / "offline.json"
+    argv = ["--load", str(tmp_path / "ckpt" / "iter_0000002"), "--task", "lm-eval"]
+    assert (
+        main([*argv, "--tasks", "tiny_choice", "--include-path", task_dir, "--output", str(out)])
+        == 0
+    )
+    offline = json.loads(out.read_text())["results"]["tiny_choice"]
+    for metric in ("acc", "acc_norm"):
+        assert in_loop[2][f"eval/tiny_choice/{metric}"] == offline[f"{metric},none"], metric
+    assert in_loop[2]["eval/tiny_choice/acc"] != in_loop[4]["eval/tiny_choice/acc"] or (
+        in_loop[2]["eval/tiny_choice/acc_norm"] != in_loop[4]["eval/tiny_choice/acc_norm"]
+    )
+
+
+def test_unknown_training_task_is_one_line_before_the_model(gpt2_ckpt, task_dir, tmp_path):
+    extra = {
+        **gpt2_keys(gpt2_ckpt["data"]),
+        "parallel.tensor_parallel_size": 1,
+        "training.eval_tasks": "[tiny_choice,tiny_nope]",
+        "training.eval_tasks_include_path": task_dir,
+    }
+    overrides = tiny_overrides(NO_DATA, tmp_path, **extra)
+    proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training.eval_tasks: unknown lm-eval task 'tiny_nope'" in errors[0]
+    assert "model:" not in proc.stdout + proc.stderr  # the line logged once the model is built

@@ -152,6 +152,10 @@ class TrainingConfig:
     test_iters: int = _doc(
         "Test-split batches evaluated once when training ends (0: none, no test split built).", 0
     )
+    eval_tasks: list[str] = _doc("lm-eval tasks scored in the loop (needs lm-eval).", factory=list)
+    eval_tasks_include_path: str | None = _doc("A directory of your lm-eval task YAMLs.", None)
+    eval_tasks_interval: int = _doc("Iterations between eval_tasks runs; 0: eval_interval.", 0)
+    eval_tasks_limit: int | None = _doc("Documents per task per run; null: all.", None)
     exit_interval: int | None = _doc("Save and exit when iteration % this == 0.", None)
     exit_duration_in_mins: float | None = _doc("Save and exit after this many minutes.", None)
     max_consecutive_nan: int = _doc("Stop after this many skipped steps in a row.", 10)
@@ -387,7 +391,8 @@ def config_reference() -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, fields in FIELDS.items():
         for key, f in fields.items():
-            default = "required" if f.default is MISSING else yaml.safe_dump(f.default).split()[0]
+            value = f.default if f.default_factory is MISSING else f.default_factory()
+            default = "required" if value is MISSING else yaml.safe_dump(value).split()[0]
             kind = f.type.replace("|", "\\|")  # a bare | would end the Markdown cell
             rows.append(f"| `{name}.{key}` | `{kind}` | `{default}` | {f.metadata['doc']} |")
     return "\n".join(rows)

@@ -86,6 +86,10 @@ class MegatronLM(TemplateLM):
         self.max_length = model.max_positions
         self._rank, self._world_size, self._device = state.dp_rank, state.dp_size, state.device
 
+    def score(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        """(log-probability, is greedy) of the last ``n`` ids of each row of (ids, n)."""
+        return score_continuations(self.model, rows)
+
     @property
     def eot_token_id(self) -> int:
         return self.tok.eod
@@ -113,7 +117,7 @@ class MegatronLM(TemplateLM):
             rows.append(((context + continuation)[-(self.max_length + 1) :], len(continuation)))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         for batch in longest_first([len(ids) for ids, _ in rows], self.batch_size):
-            scores = score_continuations(self.model, [rows[i] for i in batch])
+            scores = self.score([rows[i] for i in batch])
             for i, score in zip(batch, scores):
                 results[i] = score
         return results

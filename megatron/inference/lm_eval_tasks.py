@@ -63,6 +63,17 @@ def task_manager(names: list[str], include_path: str | None, asked_by: str) -> A
     return manager
 
 
+def downstream_tasks(cfg: Any, tokenizer: Any) -> Any:
+    """``training.eval_tasks``'s scorer for the training loop (``pretrain(downstream=...)``),
+    its tasks checked now; None without tasks."""
+    if not cfg.training.eval_tasks:
+        return None
+    require_lm_eval("training.eval_tasks")  # before the adapter imports lm-eval
+    from megatron.inference.lm_eval_training import DownstreamTasks
+
+    return DownstreamTasks(cfg, tokenizer)
+
+
 def run_tasks(
     lm: Any,
     names: list[str],
