@@ -292,17 +292,35 @@ def test_bad_input_is_one_line_before_the_model(monkeypatch, tmp_path, task_dir,
     assert "needs lm-eval-harness, which is not installed: pip install lm-eval" in missing
 
 
+# In-loop layouts of 4 processes: the acceptance check's, and the other parallelisms' paths
+# (the sequence split over TP and CP; virtual stages, whose chunks go around the ring; DP).
+LAYOUTS = {
+    "tp2_pp2": {"parallel.tensor_parallel_size": 2, "parallel.pipeline_parallel_size": 2},
+    "tp2_sp_cp2": {
+        "parallel.tensor_parallel_size": 2,
+        "parallel.sequence_parallel": "true",
+        "parallel.context_parallel_size": 2,
+    },
+    "dp2_pp2_virtual": {
+        "parallel.tensor_parallel_size": 1,
+        "parallel.pipeline_parallel_size": 2,
+        "parallel.virtual_pipeline_size": 2,
+        "model.num_layers": 4,
+    },
+}
+
+
 @pytest.mark.slow
-def test_in_loop_equals_offline(gpt2_ckpt, task_dir, tmp_path):
-    """A TP=2 x PP=2 run with training.eval_tasks scores the multiple-choice task at iterations
-    2 and 4 in place; tools/evaluate.py on that run's checkpoint of iteration 2, at one process,
-    gives the same accuracies, read from the metrics file; the console line shows them."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_in_loop_equals_offline(gpt2_ckpt, task_dir, tmp_path, layout):
+    """A run with training.eval_tasks scores the multiple-choice task at iterations 2 and 4 in
+    place; tools/evaluate.py on that run's checkpoint of iteration 2, at one process, gives the
+    same accuracies, read from the metrics file; the console line shows them."""
     from tools.evaluate import main
 
     extra = {
         **gpt2_keys(gpt2_ckpt["data"]),
-        "parallel.tensor_parallel_size": 2,
-        "parallel.pipeline_parallel_size": 2,
+        **LAYOUTS[layout],
         "model.init_method_std": 0.3,
         "training.train_iters": 4,
         "training.eval_tasks": "[tiny_choice]",
