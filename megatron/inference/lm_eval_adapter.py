@@ -58,21 +58,23 @@ def score_continuations(
     width = max(len(ids) for ids, _ in rows) - 1
     picked = max(n for _, n in rows)
     inputs = torch.zeros(len(rows), width, dtype=torch.int64)  # [b, s]
-    # [b, p]: the positions predicting each continuation id; a shorter one repeats position 0
+    # [b, p]: the positions predicting each continuation id and the ids; a shorter continuation
+    # repeats position 0 and id 0, masked out
     positions = torch.zeros(len(rows), picked, dtype=torch.int64)
+    targets = torch.zeros(len(rows), picked, dtype=torch.int64)
+    scored = torch.zeros(len(rows), picked, dtype=torch.bool)
     for row, (ids, n) in enumerate(rows):
         inputs[row, : len(ids) - 1] = torch.tensor(ids[:-1])
         positions[row, :n] = torch.arange(len(ids) - 1 - n, len(ids) - 1)
+        targets[row, :n] = torch.tensor(ids[len(ids) - n :])
+        scored[row, :n] = True
     logits = model(inputs.to(device), positions=positions.to(device))  # [b, p, v / tp]
     full = full_vocab_logits(logits.flatten(0, 1), vocab, model.tp_group)  # [b * p, vocab]
     logprobs = full.double().log_softmax(-1).view(len(rows), picked, vocab)
-    totals, greedy = [], []
-    for row, (ids, n) in enumerate(rows):
-        target = torch.tensor(ids[len(ids) - n :], device=device)  # [n]
-        row_logprobs = logprobs[row, :n]  # [n, vocab]
-        totals.append(row_logprobs.gather(1, target[:, None]).sum())
-        greedy.append(row_logprobs.argmax(-1).eq(target).all())
-    return list(zip(torch.stack(totals).tolist(), torch.stack(greedy).tolist()))
+    targets, scored = targets.to(device), scored.to(device)
+    totals = torch.where(scored, logprobs.gather(-1, targets[..., None]).squeeze(-1), 0.0)
+    greedy = (logprobs.argmax(-1).eq(targets) | ~scored).all(-1)  # [b]
+    return list(zip(totals.sum(-1).tolist(), greedy.tolist()))
 
 
 class MegatronLM(TemplateLM):
