@@ -349,16 +349,19 @@ def test_in_loop_equals_offline(gpt2_ckpt, task_dir, tmp_path, layout):
     )
 
 
-def test_unknown_training_task_is_one_line_before_the_model(gpt2_ckpt, task_dir, tmp_path):
+def test_bad_training_tasks_are_one_line_before_the_model(gpt2_ckpt, task_dir, tmp_path):
     extra = {
         **gpt2_keys(gpt2_ckpt["data"]),
         "parallel.tensor_parallel_size": 1,
-        "training.eval_tasks": "[tiny_choice,tiny_nope]",
         "training.eval_tasks_include_path": task_dir,
     }
-    overrides = tiny_overrides(NO_DATA, tmp_path, **extra)
-    proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, check=False)
-    assert proc.returncode == 2
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "training.eval_tasks: unknown lm-eval task 'tiny_nope'" in errors[0]
-    assert "model:" not in proc.stdout + proc.stderr  # the line logged once the model is built
+    for tasks, message in (
+        ("[tiny_choice,tiny_nope]", "training.eval_tasks: unknown lm-eval task 'tiny_nope'"),
+        ("[tiny_choice,tiny_gen]", "training.eval_tasks: tiny_gen is a generate_until task"),
+    ):
+        overrides = tiny_overrides(NO_DATA, tmp_path, **extra, **{"training.eval_tasks": tasks})
+        proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", overrides, check=False)
+        assert proc.returncode == 2
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0]
+        assert "model:" not in proc.stdout + proc.stderr  # logged once the model is built

@@ -14,6 +14,7 @@ stage. The rest (tokenizing, batching, DP splitting, metrics) is ``MegatronLM``'
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,6 +118,23 @@ def score_in_place(
     return [(total, misses == 0) for total, misses in scores[: len(rows)].tolist()]
 
 
+def output_types(names: list[str], manager: Any) -> dict[str, str]:
+    """Each task's lm-eval output type (a group's: its tasks'), its dataset loaded once now."""
+    from lm_eval.tasks import get_task_dict
+
+    found: dict[str, str] = {}
+
+    def walk(node: Any) -> None:
+        for name, value in node.items():
+            if isinstance(value, dict):
+                walk(value)
+            elif hasattr(value, "OUTPUT_TYPE"):
+                found[str(getattr(value, "task_name", name))] = value.OUTPUT_TYPE
+
+    walk(get_task_dict(names, manager))
+    return found
+
+
 class DownstreamTasks:
     """``training.eval_tasks`` checked before any model is built; called on the training model,
     its scores named ``eval/<task>/<metric>`` (on every rank)."""
@@ -125,6 +143,13 @@ class DownstreamTasks:
         t = cfg.training
         self.cfg, self.tokenizer, self.names = cfg, tokenizer, list(t.eval_tasks)
         self.manager = task_manager(self.names, t.eval_tasks_include_path, ASKED_BY)
+        generating = [name for name, kind in output_types(self.names, self.manager).items()
+                      if kind == "generate_until"]  # fmt: skip
+        if generating:
+            raise ConfigError(
+                f"{ASKED_BY}: {generating[0]} is a generate_until task; the loop runs "
+                "loglikelihood tasks: evaluate it with tools/evaluate.py --task lm-eval"
+            )
 
     def __call__(self, model: nn.Module, state: ParallelState) -> dict[str, float]:
         """The scores on the DP-rank-0 ranks (the logging rank among them), {} elsewhere.
@@ -152,9 +177,3 @@ class InPlaceLM(MegatronLM):
 
     def score(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         return score_in_place(self.model, rows, self.cfg, self.state)
-
-    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        raise ConfigError(
-            f"{ASKED_BY} runs loglikelihood tasks; a generate_until task is for "
-            "tools/evaluate.py --task lm-eval on a checkpoint"
-        )
