@@ -137,7 +137,7 @@ def output_types(names: list[str], manager: Any) -> dict[str, str]:
 
 class DownstreamTasks:
     """``training.eval_tasks`` checked before any model is built; called on the training model,
-    its scores named ``eval/<task>/<metric>`` (on every rank)."""
+    its scores named ``eval/<task>/<metric>``."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer) -> None:
         t = cfg.training
