@@ -365,3 +365,20 @@ def test_bad_training_tasks_are_one_line_before_the_model(gpt2_ckpt, task_dir, t
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0]
         assert "model:" not in proc.stdout + proc.stderr  # logged once the model is built
+
+
+def test_training_task_checks_name_their_keys(monkeypatch, tmp_path):
+    """The loop's scorer is built before the model: a missing include path names its key, and
+    lm-eval missing is one line naming the pip package."""
+    from megatron.config.load import load_config
+    from megatron.inference.lm_eval_tasks import downstream_tasks
+
+    keys = [f"training.eval_tasks_include_path={tmp_path / 'none'}", "training.eval_tasks=[x]"]
+    cfg = load_config([str(ROOT / "configs" / "gpt_tiny.yaml")], keys)
+    with pytest.raises(ConfigError, match=r"^training.eval_tasks_include_path .*none: not a dir"):
+        downstream_tasks(cfg, None)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(
+        ConfigError, match="^training.eval_tasks needs lm-eval-harness.*pip install lm-eval"
+    ):
+        downstream_tasks(cfg, None)

@@ -35,15 +35,17 @@ def split_names(text: str, asked_by: str) -> list[str]:
     return names
 
 
-def task_manager(names: list[str], include_path: str | None, asked_by: str) -> Any:
+def task_manager(
+    names: list[str], include_path: str | None, asked_by: str, path_key: str = "--include-path"
+) -> Any:
     """lm-eval's TaskManager knowing every one of ``names``, with the user's task YAMLs under
-    ``include_path``. When the include path holds every name, lm-eval's own few thousand task
-    files are not indexed (which takes seconds); otherwise they are, and the user's override
-    them."""
+    ``include_path`` (given as ``path_key``). When the include path holds every name, lm-eval's
+    own few thousand task files are not indexed (which takes seconds); otherwise they are, and
+    the user's override them."""
     require_lm_eval(asked_by)
     if include_path is not None and not os.path.isdir(include_path):
         raise ConfigError(
-            f"--include-path {include_path}: not a directory; give the directory that holds "
+            f"{path_key} {include_path}: not a directory; give the directory that holds "
             "your task YAML files"
         )
     from lm_eval.tasks import TaskManager
@@ -58,7 +60,7 @@ def task_manager(names: list[str], include_path: str | None, asked_by: str) -> A
         where = f" or under {include_path}" if include_path else ""
         raise ConfigError(
             f"{asked_by}: unknown lm-eval task {unknown[0]!r} (not among lm-eval's tasks{where});"
-            " `lm-eval ls tasks` lists them, --include-path DIR adds your own YAMLs"
+            f" `lm-eval ls tasks` lists them, {path_key} DIR adds your own YAMLs"
         )
     return manager
 
@@ -68,7 +70,7 @@ def downstream_tasks(cfg: Any, tokenizer: Any) -> Any:
     its tasks checked now; None without tasks."""
     if not cfg.training.eval_tasks:
         return None
-    require_lm_eval("training.eval_tasks")  # before the adapter imports lm-eval
+    require_lm_eval("training.eval_tasks")  # before the adapter imports lm-eval, in one line
     from megatron.inference.lm_eval_training import DownstreamTasks
 
     return DownstreamTasks(cfg, tokenizer)

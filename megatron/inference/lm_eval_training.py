@@ -142,7 +142,8 @@ class DownstreamTasks:
     def __init__(self, cfg: Config, tokenizer: Tokenizer) -> None:
         t = cfg.training
         self.cfg, self.tokenizer, self.names = cfg, tokenizer, list(t.eval_tasks)
-        self.manager = task_manager(self.names, t.eval_tasks_include_path, ASKED_BY)
+        path = t.eval_tasks_include_path
+        self.manager = task_manager(self.names, path, ASKED_BY, "training.eval_tasks_include_path")
         generating = [name for name, kind in output_types(self.names, self.manager).items()
                       if kind == "generate_until"]  # fmt: skip
         if generating:
