@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from megatron.config.schema import Config
 from megatron.data.gpt_dataset import build_gpt_datasets
 from megatron.data.tokenizers.factory import Tokenizer
+from megatron.inference.downstream import downstream_tasks
 from megatron.training.pretrain import main
 from megatron.training.reduction import LossSums
 
@@ -57,5 +58,6 @@ if __name__ == "__main__":
             datasets_provider,
             forward_step,
             model_type="gpt",
+            downstream=downstream_tasks,
         )
     )

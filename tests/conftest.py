@@ -46,17 +46,10 @@ def wide_gpt(tmp_path_factory, gpt_data):
     """A TP=1 checkpoint written by the real entrypoint after one step from init std 0.3: its
     greedy predictions vary token to token (``trained_gpt`` predicts one piece almost everywhere);
     64 positions. ``ckpt`` is its save directory."""
-    from tests.gpt_run import run_pretrain, tiny_overrides
+    from tests.gpt_run import WIDE_ONE_STEP, run_pretrain, tiny_overrides
 
     run = tmp_path_factory.mktemp("wide_gpt")
-    extra = {
-        "checkpoint.save": run / "ckpt",
-        "parallel.tensor_parallel_size": 1,
-        "model.max_position_embeddings": 64,
-        "model.init_method_std": 0.3,
-        "training.train_iters": 1,
-        "optimizer.lr_warmup_iters": 0,
-    }
+    extra = {"checkpoint.save": run / "ckpt", **WIDE_ONE_STEP}
     run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", tiny_overrides(gpt_data, run, **extra))
     return {**gpt_data, "ckpt": str(run / "ckpt")}
 

@@ -47,6 +47,17 @@ def prepare_gpt_data(out: Path, vocab_size: int = 512, size_mb: float = 0.5) -> 
     return {"tokenizer": f"{spm}.model", "data": f"{prefix}_text_document"}
 
 
+# A TP=1 model one step from init std 0.3, 64 positions: its greedy predictions vary token to
+# token, where a barely trained one predicts the same piece almost everywhere.
+WIDE_ONE_STEP = {
+    "parallel.tensor_parallel_size": 1,
+    "model.max_position_embeddings": 64,
+    "model.init_method_std": 0.3,
+    "training.train_iters": 1,
+    "optimizer.lr_warmup_iters": 0,
+}
+
+
 def tiny_overrides(data: dict[str, str], run_dir: Path, **extra: object) -> list[str]:
     """A ~100k-parameter GPT over ``data``; fp32, no dropout, one log line per iteration."""
     keys = {

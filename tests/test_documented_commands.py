@@ -233,6 +233,16 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm --split valid": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --task lm --split "
     "valid": Run(replace=TINY),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm-eval --tasks my_choice "
+    "--include-path my_tasks": Run(),
+    "torchrun --standalone --nproc-per-node 2 tools/evaluate.py --load runs/gpt_tiny/checkpoints "
+    "--task lm-eval --tasks my_choice --include-path my_tasks --batch-size 16 --output "
+    "results.json": Run(),
+    "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm-eval --tasks "
+    "hellaswag,arc_easy --limit 100": Skip(
+        "downloads HellaSwag and ARC from the Hugging Face Hub; the two commands before it run "
+        "a local task the same way"
+    ),
     'python tools/generate.py --load runs/gpt_tiny/checkpoints --prompt "def main(" '
     "--max-new-tokens 32": Run(),
     "python tools/generate.py --load runs/gpt_tiny/checkpoints/iter_0000100 --prompt "
@@ -395,12 +405,23 @@ def _user_files(ws: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(llama)
 
 
+def _documented_task(ws: Path) -> None:
+    """docs/evaluation.md's lm-eval task, its YAML and JSON blocks as the files it names."""
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    yaml = re.search(r"```yaml\n(task: my_choice\n.*?)```", text, re.S).group(1)
+    data = re.search(r"```json\n(.*?)```", text, re.S).group(1)
+    (ws / "my_tasks").mkdir()
+    (ws / "my_tasks" / "my_choice.yaml").write_text(yaml)
+    (ws / "my_tasks" / "my_choice.json").write_text(data)
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> dict:
     ws = _workspace(tmp_path_factory.mktemp("newcomer"))
     _user_files(ws)
+    _documented_task(ws)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.update(VIRTUAL_ENV=sys.prefix, OMP_NUM_THREADS="1")
+    env.update(VIRTUAL_ENV=sys.prefix, OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(ws / "cache"))
     return {"ws": ws, "env": env}
 
 

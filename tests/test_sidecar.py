@@ -12,7 +12,8 @@ import shutil
 import pytest
 
 from megatron.config.load import load_config
-from megatron.config.schema import DataConfig, TokenizerConfig
+from megatron.config.schema import DataConfig
+from megatron.config.tokenizer import TokenizerConfig
 from megatron.data.sidecar import check_data_tokenizer, read_sidecar, sidecar_path
 from megatron.errors import ConfigError
 from megatron.launch.dry_run import dry_run

@@ -11,7 +11,7 @@ from typing import get_args, get_type_hints
 import numpy as np
 import pytest
 
-from megatron.config.schema import TOKENIZER_FILES, TokenizerConfig
+from megatron.config.tokenizer import TOKENIZER_FILES, TokenizerConfig
 from megatron.data.tokenizers.factory import TOKENIZER_TYPES, build_tokenizer
 from megatron.data.tokenizers.gpt2_bpe import GPT2_EOD, GPT2BPETokenizer
 from megatron.data.tokenizers.hf import HFTokenizer

@@ -7,12 +7,17 @@ last-word accuracy, or the loss on one split of indexed data. Prints one JSON li
         --tensor-parallel-size 2 --load runs/gpt/checkpoints --task lambada \\
         --input lambada_test.jsonl
     python tools/evaluate.py --load runs/gpt/checkpoints --task lm --split valid
+    torchrun --standalone --nproc-per-node 2 tools/evaluate.py --load runs/gpt/checkpoints \\
+        --task lm-eval --tasks hellaswag,arc_easy --num-fewshot 0 --batch-size 16
 
 The TP size is --tensor-parallel-size (default: the world size), whatever the checkpoint's; the
 data is split over DP = world / TP. Windows are --seq-length tokens (default: the model's
 seq_length) every --stride tokens (default: --seq-length, no overlap). The tokenizer is the
 checkpoint's unless the Megatron-style tokenizer flags name another. --output FILE appends the
-same JSON line to FILE. A user mistake prints one line ("error: ...") on rank 0 and exits 2.
+same JSON line to FILE. ``--task lm-eval`` runs lm-eval-harness tasks on the checkpoint as it
+is (megatron/inference/lm_eval_adapter.py), prints lm-eval's table and one JSON line per task,
+and --output FILE writes lm-eval's results JSON. A user mistake prints one line ("error: ...")
+on rank 0 and exits 2.
 See docs/evaluation.md.
 """
 
@@ -38,6 +43,12 @@ from megatron.inference.evaluation import (  # noqa: E402
     score_windows,
 )
 from megatron.inference.jsonl import check_output  # noqa: E402
+from megatron.inference.lm_eval_tasks import (  # noqa: E402
+    run_tasks,
+    split_names,
+    task_lines,
+    task_manager,
+)
 from megatron.inference.loading import (  # noqa: E402
     Loaded,
     add_tokenizer_flags,
@@ -56,7 +67,7 @@ from megatron.launch.torchrun import exit_with  # noqa: E402
 from megatron.parallel import state as parallel_state  # noqa: E402
 from megatron.parallel.launcher import launcher_env  # noqa: E402
 
-TASKS = ("text", "wikitext", "lambada", "lm")
+TASKS = ("text", "wikitext", "lambada", "lm", "lm-eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,13 +90,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lm.add_argument("--split", choices=SPLIT_NAMES, default="test")
     lm.add_argument("--split-weights", help='e.g. "949,50,1" (default: the checkpoint\'s)')
+    harness = p.add_argument_group("lm-eval task")
+    harness.add_argument("--tasks", help="lm-eval task names, comma-separated")
+    harness.add_argument("--num-fewshot", type=int, help="default: each task's own")
+    harness.add_argument("--limit", type=int, help="at most this many documents per task")
+    harness.add_argument("--batch-size", type=int, help="requests per forward pass (default: 8)")
+    harness.add_argument("--include-path", help="a directory of your own task YAMLs")
+    harness.add_argument(
+        "--log-samples", action="store_true", help="--output also holds every request's result"
+    )
     add_tokenizer_flags(p)
     return p
 
 
+HARNESS_FLAGS = ("tasks", "num_fewshot", "limit", "batch_size", "include_path", "log_samples")
+
+
+def check_harness_args(args: argparse.Namespace) -> None:
+    """The lm-eval task's flags; lm-eval itself and the task names are checked by
+    ``task_manager``."""
+    if args.input or args.data_path or args.split_weights or args.stride:
+        raise ConfigError("--task lm-eval takes --tasks, not --input, --data-path or --stride")
+    if not args.tasks:
+        raise ConfigError("--task lm-eval needs --tasks T1,T2 (lm-eval task names)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {args.num_fewshot}: must be >= 0 (0: no examples)")
+    for flag in ("limit", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Flag mistakes, found before anything is loaded."""
-    if args.task == "lm":
+    if args.task == "lm-eval":
+        check_harness_args(args)
+    elif any(getattr(args, flag) not in (None, False) for flag in HARNESS_FLAGS):
+        raise ConfigError(
+            "--tasks, --num-fewshot, --limit, --batch-size, --include-path and "
+            "--log-samples go with --task lm-eval"
+        )
+    elif args.task == "lm":
         if args.input:
             raise ConfigError("--input goes with text, wikitext and lambada; lm takes --data-path")
     elif not args.input:
@@ -194,9 +239,38 @@ class Evaluator:
         }
 
 
+def harness(args: argparse.Namespace) -> dict[str, Any]:
+    """lm-eval's tasks on the checkpoint: {"task", "results" (lm-eval's, None off DP rank 0),
+    "lines" (one per task)}. Every check that needs no model runs before it is built."""
+    from megatron.inference.lm_eval_adapter import MegatronLM
+
+    names = split_names(args.tasks, "--tasks")
+    manager = task_manager(names, args.include_path, "--task lm-eval")
+    loaded = load_for_inference(
+        args.load, tokenizer_overrides(args), args.tensor_parallel_size, args.dtype
+    )
+    if loaded.kind != "gpt":
+        raise ConfigError(f"--load {args.load}: a {loaded.kind} checkpoint; evaluation needs GPT")
+    batch_size = args.batch_size or 8
+    lm = MegatronLM(loaded.model, loaded.tokenizer, loaded.state, batch_size)
+    results = run_tasks(lm, names, manager, args.num_fewshot, args.limit, args.log_samples)
+    settings = {
+        "num_fewshot": args.num_fewshot,
+        "limit": args.limit,
+        "batch_size": batch_size,
+        "tensor_parallel_size": loaded.state.tp_size,
+        "data_parallel_size": loaded.state.dp_size,
+        "checkpoint": loaded.path,
+    }
+    lines = task_lines(results, settings) if results is not None else []
+    return {"task": args.task, "results": results, "lines": lines}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Read the input, load the checkpoint, score the task; the result (on every rank)."""
     check_args(args)
+    if args.task == "lm-eval":
+        return harness(args)
     # Inputs are read first, so that a bad file stops the run before the model loads.
     text = read_text(args.input) if args.task in ("text", "wikitext") else None
     texts = read_lambada(args.input) if args.task == "lambada" else None
@@ -225,13 +299,30 @@ def main(argv: list[str] | None = None) -> int:
         return exit_with(err)
     finally:
         parallel_state.shutdown()
-    if rank0:
-        line = json.dumps(result)
-        print(line)
-        if args.output:
-            with open(args.output, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+    if not rank0:
+        return 0
+    if args.task == "lm-eval":
+        print_harness(result, args.output)
+        return 0
+    line = json.dumps(result)
+    print(line)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
     return 0
+
+
+def print_harness(result: dict[str, Any], output: str | None) -> None:
+    """lm-eval's table, one JSON line per task, and its results JSON into ``output``."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    print(make_table(result["results"]))
+    for line in result["lines"]:
+        print(json.dumps(line))
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            json.dump(result["results"], f, indent=2, default=handle_non_serializable)
+            f.write("\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import re
 from megatron.config.fixes import divisor_list, divisors, either, multiple_list, multiples
 from megatron.config.model_checks import check_decoder, check_moe
 from megatron.config.ranges import range_mistakes
-from megatron.config.schema import TOKENIZER_FILES, Config, split_fractions, weighted_paths
+from megatron.config.schema import Config, split_fractions, weighted_paths
+from megatron.config.tokenizer import TOKENIZER_FILES
 from megatron.errors import ConfigError
 
 # While a hint's values are tried, the checks they fail word their refusals without hints of

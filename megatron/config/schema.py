@@ -17,6 +17,7 @@ import yaml
 
 from megatron.config.fields import documented as _doc
 from megatron.config.model import ModelConfig
+from megatron.config.tokenizer import TokenizerConfig
 from megatron.errors import ConfigError
 
 
@@ -77,57 +78,6 @@ class DataConfig:
 
 
 @dataclass
-class TokenizerConfig:
-    """Which tokenizer, and its files."""
-
-    type: Literal[
-        "sentencepiece",
-        "gpt2",
-        "wordpiece",
-        "hf",
-        "SentencePieceTokenizer",
-        "GPTSentencePieceTokenizer",
-        "Llama2Tokenizer",
-        "GPT2BPETokenizer",
-        "BertWordPieceLowerCase",
-        "BertWordPieceCase",
-        "HuggingFaceTokenizer",
-        "TikTokenizer",
-        "NullTokenizer",
-    ] = _doc("Tokenizer family, or Megatron's type name (the ids megatron-core gives).")
-    model: str | None = _doc(
-        "sentencepiece .model, hf tokenizer.json (or its directory), tiktoken vocabulary .json.",
-        None,
-    )
-    vocab_file: str | None = _doc("gpt2 vocab.json, or wordpiece vocab.txt.", None)
-    merges_file: str | None = _doc("gpt2 merges.txt.", None)
-    lower_case: bool = _doc("Lower-case text before wordpiece.", False)
-    vocab_extra_ids: int | None = _doc(
-        "T5 sentinels <extra_id_0..N-1> added as special tokens (wordpiece, sentencepiece, hf); "
-        "null: Megatron's default, 100 for BertWordPieceCase, else 0.",
-        None,
-    )
-    special_tokens: list[str] | None = _doc(
-        "Special tokens to add (sentencepiece: with sentencepiece_legacy); TikTokenizer: its "
-        "special tokens, which must include <unk> <s> </s> <mask> <pad> <cls> <sep>.",
-        None,
-    )
-    sentencepiece_legacy: bool = _doc(
-        "megatron-core's legacy sentencepiece wrapper, which takes special_tokens.", False
-    )
-    tiktoken_pattern: Literal["v1", "v2"] | None = _doc(
-        "TikTokenizer pre-tokenizer pattern; null: v2.", None
-    )
-    tiktoken_num_special_tokens: int = _doc("TikTokenizer ids before the BPE ranks.", 1000)
-    vocab_size: int | None = _doc(
-        "NullTokenizer: ids in the data (EOD is one more); TikTokenizer: vocabulary size "
-        "(null: 131072); hf: the model's embedding rows when above the file's ids (the rest "
-        "are never produced), and the dry run's vocabulary where the file is absent.",
-        None,
-    )
-
-
-@dataclass
 class BertConfig:
     """BERT-only sample construction and heads (ignored by GPT)."""
 
@@ -152,6 +102,10 @@ class TrainingConfig:
     test_iters: int = _doc(
         "Test-split batches evaluated once when training ends (0: none, no test split built).", 0
     )
+    eval_tasks: list[str] = _doc("lm-eval tasks scored in the loop (needs lm-eval).", factory=list)
+    eval_tasks_include_path: str | None = _doc("A directory of your lm-eval task YAMLs.", None)
+    eval_tasks_interval: int = _doc("Iterations between eval_tasks runs; 0: eval_interval.", 0)
+    eval_tasks_limit: int | None = _doc("Documents per task per run; null: all.", None)
     exit_interval: int | None = _doc("Save and exit when iteration % this == 0.", None)
     exit_duration_in_mins: float | None = _doc("Save and exit after this many minutes.", None)
     max_consecutive_nan: int = _doc("Stop after this many skipped steps in a row.", 10)
@@ -308,21 +262,6 @@ SECTIONS: dict[str, type] = get_type_hints(Config)
 FIELDS = {name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 HINTS = {name: get_type_hints(cls) for name, cls in SECTIONS.items()}
 ALL_KEYS = [f"{s}.{k}" for s, keys in FIELDS.items() for k in keys]
-TOKENIZER_FILES = {
-    "sentencepiece": "model",
-    "gpt2": "vocab_file merges_file",
-    "wordpiece": "vocab_file",
-    "hf": "model",
-    "SentencePieceTokenizer": "model",
-    "GPTSentencePieceTokenizer": "model",
-    "Llama2Tokenizer": "model",
-    "GPT2BPETokenizer": "vocab_file merges_file",
-    "BertWordPieceLowerCase": "vocab_file",
-    "BertWordPieceCase": "vocab_file",
-    "HuggingFaceTokenizer": "model",
-    "TikTokenizer": "model",
-    "NullTokenizer": "",
-}  # keys each tokenizer type reads
 MODEL_SECTIONS = {"bert": "bert"}  # sections only one model type reads: section -> model.type
 
 
@@ -393,7 +332,8 @@ def config_reference() -> str:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, fields in FIELDS.items():
         for key, f in fields.items():
-            default = "required" if f.default is MISSING else yaml.safe_dump(f.default).split()[0]
+            value = f.default if f.default_factory is MISSING else f.default_factory()
+            default = "required" if value is MISSING else yaml.safe_dump(value).split()[0]
             kind = f.type.replace("|", "\\|")  # a bare | would end the Markdown cell
             rows.append(f"| `{name}.{key}` | `{kind}` | `{default}` | {f.metadata['doc']} |")
     return "\n".join(rows)

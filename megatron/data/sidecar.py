@@ -25,7 +25,8 @@ from functools import cache
 from typing import Any
 
 from megatron.atomic_file import write_atomic
-from megatron.config.schema import DataConfig, TokenizerConfig, weighted_paths
+from megatron.config.schema import DataConfig, weighted_paths
+from megatron.config.tokenizer import TokenizerConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.data.tokenizers.factory import build_tokenizer, family
 from megatron.errors import ConfigError

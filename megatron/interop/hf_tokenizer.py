@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from megatron.config.schema import TokenizerConfig
+from megatron.config.tokenizer import TokenizerConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.data.tokenizers.factory import DEFAULT_EXTRA_IDS, family
 from megatron.data.tokenizers.gpt2_bpe import GPT2_EOD

@@ -29,7 +29,7 @@ import yaml
 from megatron.atomic_file import write_contents
 from megatron.checkpoint.format import checkpoint_name, read_meta
 from megatron.config.load import CONFIG_DIR, config_from_dict
-from megatron.config.schema import TokenizerConfig
+from megatron.config.tokenizer import TokenizerConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.data.tokenizers.factory import build_tokenizer, family
 from megatron.errors import ConfigError

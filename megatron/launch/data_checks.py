@@ -8,7 +8,8 @@ import glob
 import os
 from dataclasses import dataclass
 
-from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
+from megatron.config.schema import Config, weighted_paths
+from megatron.config.tokenizer import TOKENIZER_FILES
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
 from megatron.data.splits import SPLIT_NAMES, samples_per_split
 from megatron.data.token_range import IdRange, check_hdf5_ids, check_indexed_ids

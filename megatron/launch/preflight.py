@@ -13,7 +13,8 @@ import numpy as np
 
 from megatron.atomic_file import free_bytes, mib
 from megatron.config.checks import check_all
-from megatron.config.schema import TOKENIZER_FILES, Config, weighted_paths
+from megatron.config.schema import Config, weighted_paths
+from megatron.config.tokenizer import TOKENIZER_FILES
 from megatron.errors import ConfigError
 from megatron.estimate.checkpoint_size import checkpoint_bytes
 

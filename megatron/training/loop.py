@@ -46,6 +46,9 @@ Batch = dict[str, Tensor]
 # normalises; on a pipeline chunk whose ``model.computes_loss`` is False: the activation for the
 # next stage.
 ForwardStep = Callable[[nn.Module, Batch], LossSums | Tensor]
+# The training model (in eval mode) -> its downstream-task scores, ``eval/<task>/<metric>``; a
+# collective over every rank.
+Downstream = Callable[[nn.Module, ParallelState], dict[str, float]] | None
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -68,6 +71,7 @@ class TrainLoop:
     heartbeat: Heartbeat | None = None  # told the iteration, to say where a lost rank stopped
     stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
     checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
+    downstream: Downstream = None  # training.eval_tasks, every eval_tasks_interval iterations
     times: PhaseTimes = field(init=False, repr=False)
     hosts: list[str] = field(default_factory=list, init=False, repr=False)
     stages: list[int] = field(default_factory=list, init=False, repr=False)
@@ -284,6 +288,12 @@ class TrainLoop:
                 # Its flags, agreed after it, supersede the step's.
                 evaluated, flags = self.evaluate(valid_iter, t.eval_iters, policy)
                 p.consumed_valid_samples += t.eval_iters * t.global_batch_size
+            scores = None
+            every = t.eval_tasks_interval or t.eval_interval
+            if self.downstream is not None and p.iteration % every == 0:
+                self.train.model.eval()
+                scores = self.downstream(self.train.model, self.state)
+                self.train.model.train()
             stop = policy.reason(p.iteration, flags)
             p.window.add(means, seconds, not result.updated, nan)
 
@@ -299,6 +309,8 @@ class TrainLoop:
                 p.window = LogWindow()
             if evaluated is not None:
                 self.metrics.validation(p.iteration, p.consumed_train_samples, evaluated)
+            if scores:
+                self.metrics.downstream(p.iteration, p.consumed_train_samples, scores)
 
             if p.consecutive_skips >= t.max_consecutive_nan and cfg.precision.dtype != "fp16":
                 log.error(

@@ -222,6 +222,12 @@ class MetricsLogger:
         self.record({"iteration": iteration, "consumed_samples": samples, **fields})
         log.info("%s at iteration %d | %s", split, iteration, format_line(values))
 
+    def downstream(self, iteration: int, samples: int, scores: dict[str, float]) -> None:
+        """The line of a ``training.eval_tasks`` run: ``eval/<task>/<metric>`` values."""
+        self.scalars(scores, iteration, samples)
+        self.record({"iteration": iteration, "consumed_samples": samples, **scores})
+        log.info("downstream tasks at iteration %d | %s", iteration, format_line(scores))
+
     def close(self) -> None:
         self.tb.close()
         if self.wandb is not None:

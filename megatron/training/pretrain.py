@@ -51,10 +51,13 @@ from megatron.parallel.pipeline.stage import PipelineStage, activation_spec
 from megatron.parallel.random import RNGTracker
 from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy, ExitSignal
-from megatron.training.loop import Batch, ForwardStep, TrainLoop
+from megatron.training.loop import Batch, Downstream, ForwardStep, TrainLoop
 from megatron.training.metrics import MetricsLogger
 
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
+# (cfg, tokenizer) -> the training.eval_tasks scorer, built (and checked) before the model: the
+# entrypoint's, from megatron/inference (a package above this one).
+DownstreamProvider = Callable[[Config, Tokenizer], Downstream]
 
 
 def main(
@@ -63,6 +66,7 @@ def main(
     datasets_provider: DatasetsProvider,
     forward_step: ForwardStep,
     model_type: str = "gpt",
+    downstream: DownstreamProvider | None = None,
 ) -> int:
     """Entry point: parse, validate, train; a user mistake is one line on rank 0 and exit 2 (4:
     storage refused a write). ``--preflight`` runs the checks alone, for ``--world-size``.
@@ -90,12 +94,17 @@ def main(
                 print(f"WARNING: {warning}")
             print(f"preflight ok: {', '.join(args.config)} at world size {world_size}")
             return 0
-        return pretrain(cfg, datasets_provider, forward_step)
+        return pretrain(cfg, datasets_provider, forward_step, downstream)
     except ConfigError as err:
         return exit_with(err)
 
 
-def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: ForwardStep) -> int:
+def pretrain(
+    cfg: Config,
+    datasets_provider: DatasetsProvider,
+    forward_step: ForwardStep,
+    downstream: DownstreamProvider | None = None,
+) -> int:
     """Train the ``cfg.model.type`` model as ``cfg`` says; returns the process exit code (3: NaN
     stop, 1: a peer was lost)."""
     world_size = int(launcher_env()["WORLD_SIZE"])
@@ -127,7 +136,8 @@ def pretrain(cfg: Config, datasets_provider: DatasetsProvider, forward_step: For
             heartbeat = Heartbeat(state.rank, state.world_size, grace, lock.release)
         policy = ExitPolicy(cfg.training, exit_signal, start_time)
         try:
-            code = _train(cfg, state, datasets_provider, forward_step, policy, heartbeat)
+            provided = (datasets_provider, forward_step, downstream)
+            code = _train(cfg, state, *provided, policy, heartbeat)
         except Exception as err:
             if heartbeat is None:
                 raise
@@ -153,6 +163,7 @@ def _train(
     state: ParallelState,
     datasets_provider: DatasetsProvider,
     forward_step: ForwardStep,
+    downstream: DownstreamProvider | None,
     policy: ExitPolicy,
     heartbeat: Heartbeat | None,
 ) -> int:
@@ -200,6 +211,9 @@ def _train(
     # per file and node (then cached), and every rank raises the same ConfigError after the
     # cache's barrier, so none is left waiting in a collective.
     check_data_ids(cfg.data, tokenizer.vocab_size)
+    if cfg.training.eval_tasks and downstream is None:
+        raise ConfigError(f"training.eval_tasks: lm-eval tasks score a GPT; {m.type} has none")
+    tasks = downstream(cfg, tokenizer) if downstream is not None else None  # checked here
     padded_vocab = derived.padded_vocab_size(tokenizer.vocab_size)
     model = build_model(cfg.model.type, cfg, tokenizer.vocab_size, padded_vocab, state, tracker)
     model.to(DTYPES[cfg.precision.dtype])
@@ -274,6 +288,7 @@ def _train(
         stage = PipelineStage(model, forward_step, state, spec)
     micro, vocab = derived.num_micro_batches, tokenizer.vocab_size
     loop = TrainLoop(cfg, state, train, ddp, metrics, forward_step, micro, vocab, heartbeat, stage)
+    loop.downstream = tasks
     try:
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
