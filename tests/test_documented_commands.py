@@ -235,7 +235,8 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "valid": Run(replace=TINY),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm-eval --tasks my_choice "
     "--include-path my_tasks": Run(),
-    "torchrun --standalone --nproc-per-node 2 tools/evaluate.py --load runs/gpt_tiny/checkpoints "
+    "python -m megatron.launch.torchrun --standalone --nproc-per-node 2 "
+    "tools/evaluate.py --load runs/gpt_tiny/checkpoints "
     "--task lm-eval --tasks my_choice --include-path my_tasks --batch-size 16 --output "
     "results.json": Run(),
     "python tools/evaluate.py --load runs/gpt_tiny/checkpoints --task lm-eval --tasks "
