@@ -15,6 +15,8 @@
 #   PYTHON      interpreter with the requirements installed (default: the repository's
 #               .venv/bin/python when there is one, else python3)
 #   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other ranks after one fails (default 280)
+#   MAX_RESTARTS  times torchrun restarts the workers after one fails (default 3): each attempt
+#               resumes from the newest checkpoint in checkpoint.save; 0: never
 #
 # Run from the repository root. The entrypoint's --preflight runs first (config, files, world
 # size): a mistake is one line and exit 2, and torchrun never starts. torchrun runs as
@@ -46,6 +48,7 @@ if [[ -z ${PYTHON:-} ]]; then
     echo "== PYTHON=$PYTHON (the repository's .venv, else python3; set PYTHON to choose)"
 fi
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-280}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
 
 # torchrun's own default (--nproc-per-node=gpu) dies with a traceback on a machine without CUDA.
 if [[ -z ${NPROC:-} ]]; then
@@ -91,7 +94,7 @@ export MEGATRON_PREFLIGHT_PASSED=1
 STOP_SIGNALS=(SIGTERM SIGUSR1 SIGUSR2)
 CMD=("$PYTHON" -m megatron.launch.torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC"
     --log-dir="$LOG_DIR" --tee=3 --local-ranks-filter=0 --signals-to-handle=SIGINT,SIGHUP,SIGQUIT
-    --shutdown-timeout="$SHUTDOWN_TIMEOUT" "$ENTRYPOINT" --config "$CONFIG" "$@")
+    --shutdown-timeout="$SHUTDOWN_TIMEOUT" --max-restarts="$MAX_RESTARTS" "$ENTRYPOINT" --config "$CONFIG" "$@")
 echo "== ${CMD[*]}"
 
 OVERRIDES=("$@")

@@ -90,7 +90,7 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
     assert launcher == [
         "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=node07:{PORT}", "--rdzv-id=4242",
-        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280", "--max-restarts=3",
         "pretrain_gpt.py", "--config", CONFIG, *inputs, f"checkpoint.save={save}",
     ]  # fmt: skip
     assert "preflight ok: configs/gpt_tiny.yaml at world size 8" in result.stdout
@@ -260,7 +260,7 @@ def test_dry_prints_the_command_and_runs_the_preflight(fake, tmp_path):
     assert line.endswith(" ".join(["-m", "megatron.launch.torchrun", "--nnodes=2",
         "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29500",
         "--rdzv-id=JOBID", "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
-        "pretrain_gpt.py", "--config", CONFIG, *inputs, NO_SAVE]))  # fmt: skip
+        "--max-restarts=3", "pretrain_gpt.py", "--config", CONFIG, *inputs, NO_SAVE]))  # fmt: skip
     bad = run_script(GPT, outside, ROOT, "--dry", CONFIG, *inputs, "optimizer.lr=-1")
     assert _one_line(bad) == "error: optimizer.lr=-1.0 must be positive; fix the value"
     in_job = run_script(GPT, env, tmp_path, "--dry", CONFIG, *inputs, NO_SAVE)
@@ -295,7 +295,7 @@ def test_single_node_command(fake, tmp_path):
     assert read_args(log / "python.args") == [
         "-m", "megatron.launch.torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
         "--log-dir=logs/torchrun", "--tee=3", "--local-ranks-filter=0",
-        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280",
+        "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout=280", "--max-restarts=3",
         "pretrain_gpt.py", "--config", CONFIG, "training.train_iters=5",
     ]  # fmt: skip
     result = subprocess.run(["bash", str(SINGLE)], env=env, capture_output=True, text=True)

@@ -19,6 +19,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -60,19 +61,25 @@ def exit_with(err: ConfigError) -> int:
 def _blame(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
     """Sort key of (rank, failure), the root cause first. torchrun takes the earliest to the
     second, which can be a worker that left its line and was then stopped (SIGTERM) before it
-    exited with its code: prefer one that exited by itself."""
+    exited with its code: prefer one that torchrun did not stop. A worker killed by another
+    signal (the kernel's OOM killer, an operator) is a cause, before the peers it left."""
     _, failure = item
-    return failure.exitcode < 0, failure.timestamp
+    return failure.exitcode == -signal.SIGTERM, failure.timestamp
 
 
-def _message(name: str, rank: int, failure: ProcessFailure) -> str:
-    """The failure in one line: the worker's own, else what torchrun knows of it."""
+def _message(name: str, rank: int, failure: ProcessFailure, restarts: int) -> str:
+    """The failure in one line: the worker's own, else what torchrun knows of it; with the
+    restarts spent (``--max-restarts``) when there were any."""
     if os.path.isfile(failure.error_file):  # the worker's own line (ours, or any @record's)
         message = failure.message
-        return message["message"] if isinstance(message, dict) else message
-    if failure.exitcode < 0:  # torchrun's "Signal 9 (SIGKILL) received by PID ..."
-        return f"{name} rank {rank}: {failure.message}"
-    return f"{name} rank {rank} exited with {failure.exitcode}; its output above says why"
+        line = message["message"] if isinstance(message, dict) else message
+    elif failure.exitcode < 0:
+        line = f"{name} rank {rank} was killed by {signal.Signals(-failure.exitcode).name}"
+    else:
+        line = f"{name} rank {rank} exited with {failure.exitcode}; its output above says why"
+    if restarts:
+        line += f", after {restarts} restart{'s' * (restarts > 1)} (--max-restarts)"
+    return line
 
 
 def main(argv: list[str]) -> int:
@@ -83,11 +90,12 @@ def main(argv: list[str]) -> int:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(lambda record: not str(record.msg).startswith("failed (exitcode"))
     os.environ[PRINTS_WORKER_ERRORS] = "1"
+    args = parse_args(argv)
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as err:
         rank, failure = min(err.failures.items(), key=_blame)
-        print(f"error: {_message(err.name, rank, failure)}", file=sys.stderr)
+        print(f"error: {_message(err.name, rank, failure, args.max_restarts)}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     return 0
 

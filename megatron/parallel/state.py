@@ -176,6 +176,22 @@ class ParallelState:
         return self.ep_size > 1 and owner == self.expert_dp_rank
 
 
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store with this attempt's own prefix (None elsewhere: env://).
+
+    The agent's store outlives a restart of its workers (``--max-restarts``); without a prefix
+    per attempt the new workers would read the addresses the dead ones published there and
+    fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"megatron/attempt_{attempt}", agent)
+
+
 def initialize(
     tp_size: int,
     timeout_minutes: float = 10.0,
@@ -210,6 +226,7 @@ def initialize(
             os.environ.setdefault("MASTER_PORT", env["MASTER_PORT"])
             dist.init_process_group(
                 backend,
+                store=_attempt_store(world_size, timeout),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,

@@ -23,6 +23,10 @@
 #   LAUNCHER          torchrun (default) or srun: one task per GPU, see below
 #   REQUEUE=1         after the time-limit warning and a new checkpoint, requeue the job
 #   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other workers after one fails (default 280)
+#   MAX_RESTARTS      times torchrun restarts every node's workers after one fails, inside the
+#                     allocation, each attempt resuming from the newest checkpoint (default 3;
+#                     torchrun launcher only). Spent, the job fails with the root cause's line;
+#                     REQUEUE=1 requeues only after the time-limit save, never a failure
 #
 # Stopping in time. At the time limit SLURM sends SIGTERM and, KillWait (30 s by default) later,
 # SIGKILL: too late to save a large model, and srun turns a SIGTERM it receives into SIGKILL for
@@ -93,6 +97,7 @@ before sbatch, which passes your environment on):
   REQUEUE=1         requeue the job after the time-limit warning and a new checkpoint
   MASTER_PORT       rendezvous port on the first host (default: 29500 + job id % 1000)
   SHUTDOWN_TIMEOUT  seconds torchrun waits for the other workers after one fails (default 280)
+  MAX_RESTARTS      torchrun's restarts of the workers after a failure, in the job (default 3)
 More: the header of scripts/slurm/launch.sh, and docs/slurm.md.
 EOF
 }
@@ -164,6 +169,7 @@ fi
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-${NNODES:-1}}}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-280}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
 if [[ -n ${SLURM_JOB_ID:-} ]]; then
     JOB_ID=$SLURM_JOB_ID
     NODELIST=$SLURM_JOB_NODELIST
@@ -243,7 +249,8 @@ if [[ $LAUNCHER == torchrun ]]; then
         "$PYTHON" -m megatron.launch.torchrun
         --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE"
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$JOB_ID"
-        --signals-to-handle="$HANDLED" --shutdown-timeout="$SHUTDOWN_TIMEOUT" "${TRAIN[@]}")
+        --signals-to-handle="$HANDLED" --shutdown-timeout="$SHUTDOWN_TIMEOUT"
+        --max-restarts="$MAX_RESTARTS" "${TRAIN[@]}")
 else
     CMD=("${SRUN[@]}" --ntasks="$((NNODES * GPUS_PER_NODE))" --ntasks-per-node="$GPUS_PER_NODE")
     if [[ -n ${SLURM_CPUS_ON_NODE:-} ]]; then
