@@ -283,8 +283,9 @@ def _tiny(tmp_path, tokens: list[list[int]], *overrides: str):
             w.add_document([np.array(doc)])
     cfg = load_config(
         ["configs/gpt_tiny.yaml"],
-        [f"tokenizer.model={SP_MODEL}", f"data.paths=[{prefix}]", *overrides],
-    )
+        [f"tokenizer.model={SP_MODEL}", f"data.paths=[{prefix}]",
+         f"data.cache_dir={tmp_path / 'cache'}", *overrides],
+    )  # fmt: skip
     return cfg, prefix
 
 
@@ -335,7 +336,8 @@ def test_dry_run_checks_hdf5_shards(tmp_path):
         "loss_mask": np.eye(s)[2], "labels": np.full(s, 7), "is_random": 0,
     }  # fmt: skip
     write_shard(str(tmp_path / "a.hdf5"), [sample] * n, max_predictions=4)
-    overrides = ["data.format=hdf5", f"data.paths=[{tmp_path}]", "model.seq_length=16"]
+    overrides = ["data.format=hdf5", f"data.paths=[{tmp_path}]", "model.seq_length=16",
+                 f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     # A run the 3 rows can feed: the dry run also checks each split's sample count.
     overrides += ["training.train_iters=1", "optimizer.lr_warmup_iters=0", "training.eval_iters=0",
                   "training.micro_batch_size=1", "training.global_batch_size=2"]  # fmt: skip
