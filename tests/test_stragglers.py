@@ -21,6 +21,9 @@ def _table(data: list[float], compute: list[float]) -> dict[str, list[float]]:
 def test_the_rule():
     hosts = ["a", "a", "b", "b"]
     slow = find_stragglers(_table([1, 1, 9, 1], [50, 50, 50, 50]), [0] * 4, hosts, 1.5, 2.0)
+    # of two ranks, the slower against the faster: twice as slow is named at a threshold of 2
+    pair = find_stragglers(_table([1, 30], [50, 50]), [0, 0], hosts[:2], 2.0, 2.0)
+    assert [(s.rank, s.phase, s.median_ms) for s in pair] == [(1, "data", 1)]
     assert [(s.rank, s.host, s.phase, s.ms, s.median_ms) for s in slow] == [(2, "b", "data", 9, 1)]
     # a phase just above the ratio but within the floor of noise names nobody
     assert find_stragglers(_table([1, 1, 2.5, 1], [50] * 4), [0] * 4, hosts, 1.5, 2.0) == []
@@ -36,17 +39,18 @@ def test_the_rule():
 
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_and_an_unslowed_run_names_none(gpt_data, tmp_path):
-    """DP 2, logging every 2 iterations: rank 1 sleeps 60 ms in every data wait (2 micro-batches
-    a step); by iteration 4 (the second log step; the first window,
-    with the first step's one-off work, is not judged) it is named, on the console and in the
-    metrics file, with the phase. The same run without the delay names nobody."""
+    """DP 2, logging every 4 iterations: rank 1 sleeps 100 ms in every data wait (2 micro-batches
+    a step); by iteration 8 (the second log step; the first window, with the first step's
+    one-off work, is not judged) it is named, on the console and in the metrics file, with the
+    phase. The same run without the delay names nobody (threshold 2: twice the faster rank's
+    time and 5% of the step more, over 4 iterations, which a shared CPU's jitter does not reach)."""
     names = []
-    for delay in (None, "1:0.06"):
+    for delay in (None, "1:0.1"):
         run = tmp_path / f"delay_{delay is not None}"
         keys = {
-            "parallel.tensor_parallel_size": 1, "training.train_iters": 4,
+            "parallel.tensor_parallel_size": 1, "training.train_iters": 8,
             "training.eval_iters": 0, "optimizer.lr_warmup_iters": 0,
-            "logging.log_interval": 2, "logging.straggler_threshold": 1.5,
+            "logging.log_interval": 4, "logging.straggler_threshold": 2.0,
         }  # fmt: skip
         env = {DATA_DELAY: delay} if delay else {}
         out = run_pretrain(

@@ -186,8 +186,9 @@ class LoggingConfig:
     )
     straggler_threshold: float | None = _doc(
         "On log steps, name (rank, host, phase) each rank whose data or compute time per "
-        "iteration is at least this many times its pipeline stage's median rank's (e.g. 1.5); "
-        "null: off. Every rank's phase times go to the metrics file and TensorBoard either way.",
+        "iteration is at least this many times its pipeline stage's median rank's (of two, the "
+        "faster's), e.g. 2; null: off. Every rank's phase times go to the metrics file and "
+        "TensorBoard either way.",
         None,
     )
     wandb_project: str | None = _doc(

@@ -2,7 +2,8 @@
 window with ``time.perf_counter`` (no device read: on CUDA a phase is the time the host spends
 in it, launches and the waits it makes), gathered on log steps in the same gloo all-gather as the
 memory figures, and each rank set against the median of the ranks doing the same work (its
-pipeline stage).
+pipeline stage; of an even count the lower middle one, so that of two ranks the slower is set
+against the faster, not against their mean, which it can never double).
 
 Phases: ``data`` (the next micro-batch: the loader and the copy to the device), ``compute``
 (forward and backward; with pipeline parallelism the schedule, its sends and receives
@@ -86,7 +87,7 @@ def find_stragglers(
         times = every_rank[f"phase_{name}_ms"]
         for stage in sorted(set(stages)):
             ranks = [r for r, s in enumerate(stages) if s == stage]
-            median = statistics.median(times[r] for r in ranks)
+            median = statistics.median_low(times[r] for r in ranks)
             for r in ranks:
                 if times[r] >= threshold * median and times[r] - median > floor_ms:
                     found.append(Straggler(r, hosts[r], name, times[r], median))
