@@ -10,7 +10,7 @@ import difflib
 import math
 import os
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -109,15 +109,31 @@ def _key_lines(node: yaml.Node, path: str, prefix: str = "") -> dict[str, int]:
 CONFIG_DIR = "${config_dir}"
 
 
-def _in_dir(value: Any, directory: str) -> Any:
-    """``value`` with ``CONFIG_DIR`` in its strings (in lists and mappings too) as ``directory``."""
+def _strings(value: Any, change: Callable[[str], str]) -> Any:
+    """``value`` with ``change`` applied to its strings, in lists and mappings too."""
     if isinstance(value, str):
-        return value.replace(CONFIG_DIR, directory)
+        return change(value)
     if isinstance(value, list):
-        return [_in_dir(v, directory) for v in value]
+        return [_strings(v, change) for v in value]
     if isinstance(value, dict):
-        return {k: _in_dir(v, directory) for k, v in value.items()}
+        return {k: _strings(v, change) for k, v in value.items()}
     return value
+
+
+def _in_dir(value: Any, directory: str) -> Any:
+    """``value`` with ``CONFIG_DIR`` in its strings as ``directory``."""
+    return _strings(value, lambda s: s.replace(CONFIG_DIR, directory))
+
+
+def under_config_dir(value: Any, directory: str) -> Any:
+    """The inverse, for a config file to be written into ``directory`` (absolute): its paths
+    under it as ``CONFIG_DIR`` paths, so the directory can move as a whole."""
+
+    def relative(s: str) -> str:
+        inside = s == directory or s.startswith(directory + os.sep)
+        return CONFIG_DIR + s[len(directory) :] if inside else s
+
+    return _strings(value, relative)
 
 
 def load_config(paths: Sequence[str], overrides: Sequence[str] = ()) -> Config:

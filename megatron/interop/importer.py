@@ -28,7 +28,7 @@ import yaml
 
 from megatron.atomic_file import write_contents
 from megatron.checkpoint.format import checkpoint_name, read_meta
-from megatron.config.load import CONFIG_DIR, config_from_dict
+from megatron.config.load import config_from_dict, under_config_dir
 from megatron.config.tokenizer import TokenizerConfig
 from megatron.data.tokenizers.base import Tokenizer
 from megatron.data.tokenizers.factory import build_tokenizer, family
@@ -85,16 +85,6 @@ def _sections(
         },
         "logging": {"log_interval": 10},
     }
-
-
-def _in_config_dir(value: Any, output: str) -> Any:
-    """``value`` with the paths under ``output`` (absolute) as ``${config_dir}`` paths: the
-    import can move, or be copied to another machine, as one directory."""
-    if isinstance(value, str) and (value == output or value.startswith(output + os.sep)):
-        return CONFIG_DIR + value[len(output) :]
-    if isinstance(value, dict):
-        return {k: _in_config_dir(v, output) for k, v in value.items()}
-    return value
 
 
 def _commands(output: str, kind: str, tp_size: int) -> list[str]:
@@ -198,7 +188,7 @@ def import_hf(
                 "# data.paths is yours to give, e.g. on the command line:\n"
                 + "".join(f"#   {c}\n" for c in commands)
             )
-            relocatable = _in_config_dir(sections, os.path.abspath(output))
+            relocatable = under_config_dir(sections, os.path.abspath(output))
             write_contents(
                 os.path.join(tmp, CONFIG_YAML),
                 header + yaml.safe_dump(relocatable, sort_keys=False),

@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron.logging import log
-from megatron.parallel.launcher import launcher_env
+from megatron.parallel.launcher import attempt_prefix, launcher_env
 
 PEER_FAILURE = 1  # exit code when a peer (or the launcher) died or froze
 LOST = "lost"  # store key: {"rank": N, "message": line} once a watcher found a lost peer
@@ -101,10 +101,8 @@ class Heartbeat:
         # For connecting (a request to a frozen store host may never return: ``_guard`` covers it).
         timeout = timedelta(seconds=min(10.0, self.grace_s / 4))
         store = dist.TCPStore(self.store_host, self.store_port, is_master=False, timeout=timeout)
-        # The agent's store outlives a torchrun restart: each attempt keeps its own keys, or the
-        # new one would read the old one's ``lost`` and ``left/``.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return dist.PrefixStore(f"megatron/heartbeat/{attempt}", store)
+        # Per attempt, or a restarted one would read the old one's ``lost`` and ``left/``.
+        return dist.PrefixStore(attempt_prefix("heartbeat"), store)
 
     def _successor(self, rank: int) -> int | None:
         after = (rank + 1) % self.world_size

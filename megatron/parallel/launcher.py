@@ -32,6 +32,13 @@ def launcher_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 
+def attempt_prefix(name: str) -> str:
+    """A store prefix of ``name`` for this attempt: torchrun's agent hosts the store and outlives
+    a restart of its workers (``--max-restarts``), so what a worker publishes there is kept per
+    attempt, or the next attempt's workers would read what the dead ones left."""
+    return f"megatron/{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list, via ``scontrol`` when present, else parsed here.
 

@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.parallel.launcher import launcher_env
+from megatron.parallel.launcher import attempt_prefix, launcher_env
 from megatron.parallel.pipeline.p2p import PipelineGroup
 
 
@@ -177,19 +177,16 @@ class ParallelState:
 
 
 def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store with this attempt's own prefix (None elsewhere: env://).
-
-    The agent's store outlives a restart of its workers (``--max-restarts``); without a prefix
-    per attempt the new workers would read the addresses the dead ones published there and
-    fail to connect."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    """Under torchrun, the agent's store with this attempt's own prefix (None elsewhere: env://):
+    without it a restarted attempt's workers read the gloo/NCCL addresses the dead ones
+    published and never connect."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     agent = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=False, timeout=timeout,
     )  # fmt: skip
-    return dist.PrefixStore(f"megatron/attempt_{attempt}", agent)
+    return dist.PrefixStore(attempt_prefix("process_groups"), agent)
 
 
 def initialize(
