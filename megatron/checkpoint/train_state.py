@@ -48,6 +48,10 @@ class Progress:
     nan_iters: int = 0  # of those, the ones whose loss itself was not finite
     consecutive_skips: int = 0
     window: LogWindow = field(default_factory=LogWindow)  # iterations not logged yet
+    # Global batches never trained on (``megatron.config.skip_list``): part of the data order.
+    skip_batches: list[list[int]] = field(default_factory=list)
+    rollbacks: int = 0  # loss spikes rolled back (training.max_rollbacks)
+    recent_losses: list[float] = field(default_factory=list)  # the spike guard's window
 
     @classmethod
     def restore(cls, saved: dict[str, Any]) -> Progress:

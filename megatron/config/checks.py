@@ -10,6 +10,7 @@ import dataclasses
 import os
 import re
 
+from megatron.config import skip_list
 from megatron.config.fixes import divisor_list, divisors, either, multiple_list, multiples
 from megatron.config.model_checks import check_decoder, check_moe
 from megatron.config.ranges import range_mistakes
@@ -313,6 +314,23 @@ def _check_finetune(cfg: Config) -> None:
 def _check_data(cfg: Config) -> None:
     weighted_paths(cfg.data.paths)
     split_fractions(cfg.data.split)
+    skip_list.parse(cfg.data.skip_batches)
+
+
+def _check_spike_guard(cfg: Config) -> None:
+    t, ckpt = cfg.training, cfg.checkpoint
+    if t.spike_threshold is None:
+        return
+    if t.spike_threshold <= 1:
+        raise ConfigError(
+            f"training.spike_threshold={t.spike_threshold} must be above 1 (a factor over the "
+            "median loss); fix the value, or null to turn the spike guard off"
+        )
+    if not ckpt.save or not ckpt.save_interval:
+        raise ConfigError(
+            "training.spike_threshold rolls back to a checkpoint: it needs checkpoint.save and "
+            "checkpoint.save_interval; set both"
+        )
 
 
 def _check_tokenizer(cfg: Config) -> None:
@@ -325,7 +343,8 @@ def _check_tokenizer(cfg: Config) -> None:
 _CONFIG_CHECKS = (_check_widths, check_decoder, check_moe, _check_pipeline, _check_overlap,
                   _check_context_parallel, _check_sequence_parallel, _check_profiling,
                   _check_positions, _check_bert, _check_loss_scale, _check_length,
-                  _check_schedule, _check_finetune, _check_data, _check_tokenizer)  # fmt: skip
+                  _check_schedule, _check_finetune, _check_data, _check_tokenizer,
+                  _check_spike_guard)  # fmt: skip
 
 
 def _mistakes(cfg: Config, checks) -> list[str]:

@@ -17,9 +17,10 @@ _POSITIVE = """model.num_layers model.hidden_size model.num_attention_heads mode
     optimizer.lr_decay_iters optimizer.adam_eps precision.loss_scale precision.initial_loss_scale
     precision.loss_scale_window precision.hysteresis precision.min_loss_scale
     checkpoint.save_interval checkpoint.keep_last logging.log_interval logging.straggler_threshold
-    bert.max_ngram training.eval_tasks_limit""".split()
+    bert.max_ngram training.eval_tasks_limit training.spike_threshold
+    training.spike_window training.spike_skip_batches""".split()
 _NON_NEGATIVE = """model.init_method_std training.eval_iters training.test_iters data.num_workers
-    training.eval_tasks_interval
+    training.eval_tasks_interval training.max_rollbacks
     optimizer.min_lr optimizer.weight_decay optimizer.clip_grad optimizer.lr_warmup_iters
     optimizer.lr_warmup_init bert.num_tokentypes""".split()
 _FRACTION = """model.hidden_dropout model.attention_dropout optimizer.adam_beta1

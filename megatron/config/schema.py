@@ -75,6 +75,9 @@ class DataConfig:
     reset_position_ids: bool = _doc("Restart position ids after each end-of-document.", False)
     reset_attention_mask: bool = _doc("Stop attention across end-of-document tokens.", False)
     eod_mask_loss: bool = _doc("No loss on end-of-document tokens.", False)
+    skip_batches: list[int | list[int]] = _doc(
+        "Global batches never trained on: numbers from 1, or [first, last] ranges.", factory=list
+    )
 
 
 @dataclass
@@ -112,6 +115,14 @@ class TrainingConfig:
     exit_signal: Literal["SIGTERM", "SIGUSR1", "SIGUSR2"] = _doc(
         "Signal that asks every rank to save and exit.", "SIGTERM"
     )
+    spike_threshold: float | None = _doc(
+        "Roll back when the loss exceeds this times its recent median; null: off.", None
+    )
+    spike_window: int = _doc("Iterations whose median loss a spike is judged against.", 50)
+    spike_skip_batches: int | None = _doc(
+        "Batches skipped per spike, ending at it; null: all since the checkpoint.", None
+    )
+    max_rollbacks: int = _doc("Spikes rolled back before the run saves and exits 5.", 3)
 
 
 @dataclass

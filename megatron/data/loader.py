@@ -8,9 +8,10 @@ block of ``gbs / dp`` of them and cuts it into micro-batches. For 2 ranks, gbs 8
              |   rank 0    |   rank 1    |
              | mb0  | mb1  | mb0  | mb1  |
 
-So the samples a step sees depend only on (consumed_samples, global_batch_size): never on the DP
-size, the worker count or restarts, and resuming at ``consumed_samples`` continues the stream
-exactly where it stopped.
+So the samples a step sees depend only on (consumed_samples, global_batch_size, skip list):
+never on the DP size, the worker count or restarts, and resuming at ``consumed_samples`` continues
+the stream exactly where it stopped. A skipped global batch (``megatron.config.skip_list``) is
+passed over whole, by every rank alike.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron.config import skip_list
 from megatron.errors import ConfigError
 
 
@@ -36,6 +38,7 @@ class MicroBatchSampler(torch.utils.data.Sampler[list[int]]):
         global_batch_size: int,
         dp_rank: int,
         dp_size: int,
+        skip: skip_list.Ranges = (),
     ) -> None:
         if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
             raise ConfigError(
@@ -52,19 +55,25 @@ class MicroBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.global_batch_size = global_batch_size
         self.per_rank = global_batch_size // dp_size
         self.rank_offset = dp_rank * self.per_rank
+        self.skip = list(skip)
+        # Batch N starts at sample base + (N-1) * gbs: 0 unless the batch size changed mid-run.
+        self.base = consumed_samples % global_batch_size
+
+    def _batches(self) -> Iterator[int]:
+        """The numbers (from 1) of the global batches still to train, in order."""
+        last = (self.num_samples - self.base) // self.global_batch_size
+        start = skip_list.next_batch(self.consumed_samples, self.global_batch_size, self.skip)
+        return (b for b in range(start, last + 1) if not skip_list.is_skipped(b, self.skip))
 
     def __len__(self) -> int:
         """Micro-batches this rank will yield."""
-        steps = max(0, (self.num_samples - self.consumed_samples) // self.global_batch_size)
-        return steps * (self.per_rank // self.micro_batch_size)
+        return sum(1 for _ in self._batches()) * (self.per_rank // self.micro_batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        step_start = self.consumed_samples
-        while step_start + self.global_batch_size <= self.num_samples:
-            first = step_start + self.rank_offset
+        for batch in self._batches():
+            first = self.base + (batch - 1) * self.global_batch_size + self.rank_offset
             for mb in range(first, first + self.per_rank, self.micro_batch_size):
                 yield list(range(mb, mb + self.micro_batch_size))
-            step_start += self.global_batch_size
 
 
 def build_loader(
@@ -76,14 +85,16 @@ def build_loader(
     dp_size: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    skip: skip_list.Ranges = (),
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches from ``consumed_samples`` on: dicts of [micro_batch, ...] tensors.
+    """This rank's micro-batches from ``consumed_samples`` on, the ``skip`` batches passed over:
+    dicts of [micro_batch, ...] tensors.
 
     Each training step takes ``global_batch_size / (micro_batch_size * dp_size)`` of them.
     ``pin_memory`` applies only where CUDA is available.
     """
     sampler = MicroBatchSampler(
-        len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size
+        len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size, skip
     )
     loader = torch.utils.data.DataLoader(
         dataset,

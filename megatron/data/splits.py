@@ -51,12 +51,13 @@ def split_ranges(split: str, num_elements: int) -> list[tuple[int, int] | None]:
     ]
 
 
-def samples_per_split(t: TrainingConfig) -> tuple[int, int, int]:
-    """The samples a run draws from train, valid and test: every step, every evaluation (at each
-    multiple of eval_interval, with one to spare) and the one test evaluation at the end."""
+def samples_per_split(t: TrainingConfig, extra_batches: int = 0) -> tuple[int, int, int]:
+    """The samples a run draws from train, valid and test: every step (and ``extra_batches``
+    more, the spike guard's ``skip_list.headroom``), every evaluation (at each multiple of
+    eval_interval, with one to spare) and the one test evaluation at the end."""
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
     return (
-        t.train_iters * t.global_batch_size,
+        (t.train_iters + extra_batches) * t.global_batch_size,
         evals * t.global_batch_size,
         t.test_iters * t.global_batch_size,
     )

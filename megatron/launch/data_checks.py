@@ -8,6 +8,7 @@ import glob
 import os
 from dataclasses import dataclass
 
+from megatron.config import skip_list
 from megatron.config.schema import Config, weighted_paths
 from megatron.config.tokenizer import TOKENIZER_FILES
 from megatron.data.indexed_dataset import IndexedDataset, data_path, index_path
@@ -110,7 +111,7 @@ def check_hdf5_splits(cfg: Config, missing: list[str]) -> str:
         return ""
     from megatron.data.hdf5_dataset import split_shards
 
-    needed = samples_per_split(cfg.training)
+    needed = samples_per_split(cfg.training, skip_list.headroom(cfg))
     parts = split_shards(cfg.data.paths, cfg.data.split, cfg.model.seq_length, needed)
     return ", ".join(
         f"{name} {len(part):,} >= {n:,}" if part is not None else f"{name} unused"

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron.checkpoint.async_save import Checkpointer
-from megatron.checkpoint.train_state import LogWindow, TrainState
+from megatron.checkpoint.train_state import LogWindow, Progress, TrainState
+from megatron.config import skip_list
 from megatron.config.schema import Config
 from megatron.launch.heartbeat import Heartbeat
 from megatron.logging import log
@@ -39,6 +40,7 @@ from megatron.training.exit import ExitPolicy
 from megatron.training.metrics import MetricsLogger, gather_memory, memory_mb
 from megatron.training.profiling import Profiling
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
+from megatron.training.spike_guard import LOSS, judge, roll_back
 from megatron.training.stragglers import PhaseTimes, Straggler, find_stragglers
 
 Batch = dict[str, Tensor]
@@ -49,6 +51,8 @@ ForwardStep = Callable[[nn.Module, Batch], LossSums | Tensor]
 # The training model (in eval mode) -> its downstream-task scores, ``eval/<task>/<metric>``; a
 # collective over every rank.
 Downstream = Callable[[nn.Module, ParallelState], dict[str, float]] | None
+# The train and validation streams from where a progress says (after a rollback).
+Reopen = Callable[[Progress], tuple[Iterator[Batch], Iterator[Batch] | None]]
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -72,6 +76,8 @@ class TrainLoop:
     stage: PipelineStage | None = None  # with pipeline parallelism: runs the schedule
     checkpointer: Checkpointer | None = field(default=None, init=False, repr=False)
     downstream: Downstream = None  # training.eval_tasks, every eval_tasks_interval iterations
+    reopen: Reopen | None = None  # with the spike guard: the streams after a rollback
+    train_samples: int | None = None  # the train split's size: skipped batches come out of it
     times: PhaseTimes = field(init=False, repr=False)
     hosts: list[str] = field(default_factory=list, init=False, repr=False)
     stages: list[int] = field(default_factory=list, init=False, repr=False)
@@ -260,9 +266,21 @@ class TrainLoop:
         policy: ExitPolicy,
         profiling: Profiling,
     ) -> int:
-        cfg, p, t = self.cfg, self.train.progress, self.cfg.training
+        cfg, t = self.cfg, self.cfg.training
         self.train.model.train()
-        while p.iteration < t.train_iters:
+        while (p := self.train.progress).iteration < t.train_iters:
+            gbs = t.global_batch_size
+            batch = skip_list.next_batch(p.consumed_train_samples, gbs, p.skip_batches)
+            stream_end = p.consumed_train_samples % gbs + batch * gbs
+            if self.train_samples is not None and stream_end > self.train_samples:
+                log.error(
+                    "the train split ran out at iteration %d: its %d samples are used, %d batches "
+                    "of them skipped (%s); stopping early",
+                    p.iteration + 1, self.train_samples, skip_list.count(p.skip_batches),
+                    skip_list.describe(p.skip_batches),
+                )  # fmt: skip
+                self.save()
+                return 0
             if self.heartbeat is not None:
                 self.heartbeat.iteration = p.iteration + 1  # published with its next beat
             profiling.step(p.iteration + 1)
@@ -273,7 +291,18 @@ class TrainLoop:
             # count in the next); evaluation time is not iteration time.
             seconds = time.perf_counter() - start
             p.iteration += 1
-            p.consumed_train_samples += t.global_batch_size
+            p.consumed_train_samples = stream_end
+            spike = judge(t, p, means.get(LOSS, math.nan), batch)
+            if spike is not None:
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()  # a checkpoint still being written may be the one
+                self.ddp.wait_param_gather()
+                code = roll_back(spike, cfg, self.train, self.state, self.vocab_size,
+                                 self.metrics.record, self.save)  # fmt: skip
+                if code is not None:
+                    return code
+                train_iter, valid_iter = self.reopen(self.train.progress)
+                continue
             nan = not result.updated and cfg.precision.dtype != "fp16"
             nan = nan and not math.isfinite(result.grad_norm)
             if result.updated:

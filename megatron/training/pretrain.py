@@ -18,7 +18,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from megatron import checkpoint
 from megatron.atomic_file import write_contents
 from megatron.checkpoint.train_state import Progress, TrainState
+from megatron.config import skip_list
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import parse_args
 from megatron.config.schema import Config, to_yaml
@@ -268,7 +269,14 @@ def _train(
         # directory's record of the config that wrote its checkpoints alone.
         _record_config(cfg, config_text)
     optimizer.set_lr(schedule.lr)
-    train_iter, valid_iter, test_iter = _data(cfg, state, datasets_provider, tokenizer, progress)
+    # The hand-given skips join the checkpoint's: the stream passes over both.
+    progress.skip_batches = skip_list.merge(
+        progress.skip_batches + skip_list.parse(cfg.data.skip_batches)
+    )
+    splits = datasets_provider(cfg, tokenizer, samples_per_split(t, skip_list.headroom(cfg)))
+    streams = _Streams(cfg, state, splits)
+    train_iter, valid_iter = streams.reopen(progress)
+    test_iter = streams.stream(splits[2], 0) if splits[2] else None
 
     work = Workload.of(cfg, padded_vocab, state.world_size)
     metrics = MetricsLogger(
@@ -289,6 +297,7 @@ def _train(
     micro, vocab = derived.num_micro_batches, tokenizer.vocab_size
     loop = TrainLoop(cfg, state, train, ddp, metrics, forward_step, micro, vocab, heartbeat, stage)
     loop.downstream = tasks
+    loop.reopen, loop.train_samples = streams.reopen, len(splits[0])
     try:
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:
@@ -330,31 +339,32 @@ def _resume_source(cfg: Config) -> tuple[str | None, bool]:
     return ckpt.load, ckpt.finetune
 
 
-def _data(
-    cfg: Config,
-    state: ParallelState,
-    datasets_provider: DatasetsProvider,
-    tokenizer: Tokenizer,
-    progress: Progress,
-) -> tuple[Iterator[Batch], Iterator[Batch] | None, Iterator[Batch] | None]:
-    """The train and validation streams, each from where ``progress`` says it stopped, and the
-    test stream (from its start; built only with training.test_iters)."""
-    t = cfg.training
-    train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, samples_per_split(t))
+@dataclass
+class _Streams:
+    """The data streams of a run's train, valid and test splits, each from a position."""
 
-    def stream(ds: Any, consumed: int) -> Iterator[Batch]:
+    cfg: Config
+    state: ParallelState
+    splits: tuple[Any, Any, Any]
+
+    def stream(self, dataset: Any, consumed: int, skip: list[list[int]] = ()) -> Iterator[Batch]:
+        t = self.cfg.training
         return build_loader(
-            ds,
+            dataset,
             consumed,
             t.micro_batch_size,
             t.global_batch_size,
-            state.dp_rank,
-            state.dp_size,
-            cfg.data.num_workers,
-            state.device.type == "cuda",
+            self.state.dp_rank,
+            self.state.dp_size,
+            self.cfg.data.num_workers,
+            self.state.device.type == "cuda",
+            skip,
         )
 
-    train_iter = stream(train_ds, progress.consumed_train_samples)
-    valid_iter = stream(valid_ds, progress.consumed_valid_samples) if valid_ds else None
-    test_iter = stream(test_ds, 0) if test_ds else None
-    return train_iter, valid_iter, test_iter
+    def reopen(self, progress: Progress) -> tuple[Iterator[Batch], Iterator[Batch] | None]:
+        """The train stream (its skip list passed over) and the validation stream, each from
+        where ``progress`` says it stopped."""
+        train, valid, _ = self.splits
+        train_iter = self.stream(train, progress.consumed_train_samples, progress.skip_batches)
+        valid_iter = self.stream(valid, progress.consumed_valid_samples) if valid else None
+        return train_iter, valid_iter
