@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from megatron.data.provenance import provenance, step_samples
 from megatron.data.splits import samples_per_split
 from megatron.data.tokenizers.factory import build_tokenizer
 from pretrain_gpt import datasets_provider
-from tests.gpt_run import _tool, read_metrics, run_pretrain, tiny_overrides
+from tests.gpt_run import ROOT, _tool, read_metrics, run_pretrain, tiny_overrides
 from tests.test_pretrain_bert import write_corpus
 
 pytestmark = pytest.mark.slow
@@ -95,6 +97,13 @@ def _losses(run: Path) -> dict[int, float]:
     return {e["iteration"]: e["lm_loss"] for e in read_metrics(run / "metrics.jsonl")}
 
 
+def _which(args: list[str]) -> list[dict]:
+    argv = [sys.executable, "tools/which_samples.py", "--json", *args]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
 def test_spike_rolls_back_and_skips_like_a_run_given_the_skip_list(blend):
     proc, guarded = _run(blend, "guarded")
     rollbacks = [e for e in _records(guarded) if "rolled_back_to" in e]
@@ -108,11 +117,17 @@ def test_spike_rolls_back_and_skips_like_a_run_given_the_skip_list(blend):
     losses = _losses(guarded)
     assert sorted(losses) == list(range(1, ITERS + 1))
 
-    given, _ = None, None
     _, given = _run(blend, "given", **{"data.skip_batches": "[[11, 14]]"})
     reference = _losses(given)
     assert [e for e in _records(given) if "rolled_back_to" in e] == []
     assert {i: losses[i] for i in range(1, ITERS + 1)} == reference
+
+    # which_samples.py passes over the skip list as the run did: iteration 11 trained batch 15.
+    after = _which(["--load", str(guarded / "ckpt"), "--iteration", "11"])
+    unskipped = _which(["--config", "configs/gpt_tiny.yaml", "--iteration", "15",
+                        *blend["overrides"](blend["poisoned"], guarded)])  # fmt: skip
+    assert len(after) == 8
+    assert [{**row, "iteration": 15} for row in after] == unskipped
 
     # A restart from a checkpoint after the rollback continues the same stream.
     restart = blend["out"] / "restart"

@@ -8,8 +8,9 @@ words of its text.
 ``--load`` takes the run's config from the checkpoint (its data, seed, batch size: what it
 trained on); ``--config`` (and ``section.key=value`` overrides) a config of your own. The
 sample order does not depend on the number of processes: step N reads samples (N-1)*gbs to
-N*gbs - 1 of the train split, DP rank r the r-th contiguous share of them. ``--json`` prints
-one JSON object per sample. GPT data only.
+N*gbs - 1 of the train split, DP rank r the r-th contiguous share of them. Skipped batches (the
+checkpoint's skip list, which the spike guard writes, and ``data.skip_batches``) are passed over
+as the run passes over them. ``--json`` prints one JSON object per sample. GPT data only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import asdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.load import find_checkpoint  # noqa: E402
+from megatron.config import skip_list  # noqa: E402
 from megatron.config.load import config_from_dict, load_config  # noqa: E402
 from megatron.data.provenance import provenance, step_samples  # noqa: E402
 from megatron.data.splits import samples_per_split  # noqa: E402
@@ -47,11 +49,14 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = _args(argv)
     try:
+        skip: skip_list.Ranges = []
         if args.load:
             path, meta = find_checkpoint(args.load)
             cfg = config_from_dict(meta["config"], f"{path}/meta.json", args.overrides)
+            skip = meta["progress"].get("skip_batches", [])
         else:
             cfg = load_config(args.config, args.overrides)
+        skip = skip_list.merge(skip + skip_list.parse(cfg.data.skip_batches))
         if cfg.model.type == "bert":
             raise ConfigError("which_samples.py reads GPT data; this config trains BERT")
         t = cfg.training
@@ -60,10 +65,11 @@ def main(argv: list[str]) -> int:
                 f"--iteration {args.iteration}: the run has iterations 1 to {t.train_iters}"
             )
         tokenizer = build_tokenizer(**asdict(cfg.tokenizer))
-        train, _, _ = datasets_provider(cfg, tokenizer, samples_per_split(t))
+        needed = samples_per_split(t, skip_list.headroom(cfg))
+        train, _, _ = datasets_provider(cfg, tokenizer, needed)
     except ConfigError as err:
         return exit_with(err)
-    for k, idx in enumerate(step_samples(args.iteration, t.global_batch_size)):
+    for k, idx in enumerate(step_samples(args.iteration, t.global_batch_size, skip)):
         where = provenance(train, idx)
         text = " ".join(tokenizer.decode(where.tokens[:64].tolist()).split()[: args.words])
         row = {"iteration": args.iteration, "sample": k, "source": where.source,

@@ -1,7 +1,8 @@
 """Where a training sample came from: its source dataset, the documents it spans and the offset
 into the first, read off the same indices the sample order is built from (no token is read
 to find them). Megatron's sampler walks the train split in order, so step N's global batch is
-samples ``(N-1)*gbs .. N*gbs - 1``, whatever the DP size (each DP rank takes a contiguous share).
+samples ``(N-1)*gbs .. N*gbs - 1``, whatever the DP size (each DP rank takes a contiguous share),
+the N-th batch the skip list does not pass over when there is one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron.config import skip_list
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.gpt_dataset import GPTDataset
 
@@ -23,9 +25,12 @@ class Provenance:
     tokens: np.ndarray  # the sample's seq_length + 1 ids (tokens, then the last label)
 
 
-def step_samples(iteration: int, global_batch_size: int) -> range:
-    """The train split's sample positions of iteration ``iteration`` (1-based)."""
-    return range((iteration - 1) * global_batch_size, iteration * global_batch_size)
+def step_samples(iteration: int, global_batch_size: int, skip: skip_list.Ranges = ()) -> range:
+    """The train split's sample positions of iteration ``iteration`` (1-based): its batch is the
+    ``iteration``-th one the skip list does not pass over."""
+    batches = skip_list.batches_from(1, list(skip))
+    batch = next(b for i, b in enumerate(batches, 1) if i == iteration)
+    return range((batch - 1) * global_batch_size, batch * global_batch_size)
 
 
 def provenance(dataset: torch.utils.data.Dataset, idx: int) -> Provenance:
