@@ -46,8 +46,10 @@ def forward_step(model: nn.Module, batch: dict[str, Tensor]) -> LossSums | Tenso
     )  # [b, s] fp32 losses, or the activation for the next stage
     if not model.computes_loss:
         return output
-    mask = batch["loss_mask"]
-    return {"lm loss": ((output * mask).sum(), batch["loss_tokens"])}
+    losses = output * batch["loss_mask"]
+    if "source" in batch:  # a blend's sample: the per-sample sums split the loss by source
+        return {"lm loss": (losses.sum(), batch["loss_tokens"], losses.sum(-1))}
+    return {"lm loss": (losses.sum(), batch["loss_tokens"])}
 
 
 if __name__ == "__main__":

@@ -377,7 +377,9 @@ def test_blended_prefixes(corpus, tmp_path):
     assert abs(counts[0] - 700) <= 1 and abs(counts[1] - 300) <= 1
     for n in (0, 1, 2, 500, 999):
         part = train.datasets[train.dataset_index[n]]
-        assert_same_sample(train[n], part[int(train.dataset_sample_index[n])])
+        sample = train[n]
+        assert sample.pop("source").item() == train.dataset_index[n]
+        assert_same_sample(sample, part[int(train.dataset_sample_index[n])])
     (train,) = build_bert_datasets(
         [prefix, other], "1,0,0", (100, 0, 0), SEQ_LENGTH, 1, None, vocab
     )[:1]

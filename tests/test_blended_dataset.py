@@ -68,10 +68,11 @@ def test_bad_weights():
 
 def test_blended_dataset_routes_samples():
     dataset_index, sample_index = blend_indices([2, 1], 9)
-    parts = [[f"a{k}" for k in range(6)], [f"b{k}" for k in range(3)]]
+    parts = [[{"id": f"a{k}"} for k in range(6)], [{"id": f"b{k}"} for k in range(3)]]
     ds = BlendedDataset(parts, dataset_index, sample_index)
     assert len(ds) == 9
-    assert [ds[i] for i in range(9)] == ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "b2", "a5"]
+    assert [ds[i]["id"] for i in range(9)] == ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "b2", "a5"]
+    assert [ds[i]["source"].item() for i in range(9)] == [0, 1, 0, 0, 1, 0, 0, 1, 0]
 
 
 def test_weighted_paths_build_a_cached_blend(tmp_path):

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 POISONED, SAVE_INTERVAL, ITERS = 14, 5, 22
 GUARD = {"training.spike_threshold": 1.1, "training.spike_window": 5,
          "checkpoint.save_interval": SAVE_INTERVAL, "training.train_iters": ITERS,
-         "training.eval_iters": 0, "optimizer.lr": 3e-3,
+         "training.eval_iters": 1, "training.eval_interval": 10, "optimizer.lr": 3e-3,
          "parallel.tensor_parallel_size": 1, "checkpoint.keep_last": None}  # fmt: skip
 
 
@@ -78,7 +78,10 @@ def blend(gpt_data, tmp_path_factory) -> dict:
             docs |= set(where.documents)
     poisoned = str(out / "poisoned")
     _poison(gpt_data["data"], poisoned, docs, tokenizer.vocab_size)
-    return {"overrides": overrides, "poisoned": poisoned, "out": out}
+    gbs = cfg.training.global_batch_size
+    # Each iteration's samples of the first source (of a run that has not skipped).
+    firsts = [int((train.dataset_index[step_samples(i, gbs)] == 0).sum()) for i in range(1, 11)]
+    return {"overrides": overrides, "poisoned": poisoned, "out": out, "firsts": firsts}
 
 
 def _run(blend: dict, name: str, check: bool = True, **extra):
@@ -116,6 +119,19 @@ def test_spike_rolls_back_and_skips_like_a_run_given_the_skip_list(blend):
     assert line in proc.stderr + proc.stdout
     losses = _losses(guarded)
     assert sorted(losses) == list(range(1, ITERS + 1))
+
+    # The loss of each source, weighted by its tokens (whole samples: no loss mask), adds up to
+    # the step's; the spiked step's was the poisoned source's.
+    lines = {e["iteration"]: e for e in read_metrics(guarded / "metrics.jsonl")}
+    first, second = "lm_loss_by_source/poisoned", "lm_loss_by_source/other_text_document"
+    for i, n in enumerate(blend["firsts"], 1):
+        parts = [(n, lines[i].get(first, 0.0)), (8 - n, lines[i].get(second, 0.0))]
+        assert sum(k * loss for k, loss in parts) / 8 == pytest.approx(losses[i], abs=1e-6)
+    assert back[first] > 1.1 * lines[10][first]  # against the checkpoint's iteration
+    assert back[second] < 1.05 * lines[10][second]
+    evaluations = [e for e in _records(guarded) if "lm_loss_validation" in e]
+    assert evaluations and all(f"{first}_validation" in e for e in evaluations)
+    assert all(f"{second}_validation" in e for e in evaluations)
 
     _, given = _run(blend, "given", **{"data.skip_batches": "[[11, 14]]"})
     reference = _losses(given)

@@ -25,16 +25,28 @@ class LogWindow:
     skipped: int = 0
     nans: int = 0
 
-    def add(self, values: dict[str, float], seconds: float, skipped: bool, nan: bool) -> None:
+    absent: dict[str, int] = field(default_factory=dict)  # steps a metric had no value (None)
+
+    def add(
+        self, values: dict[str, float | None], seconds: float, skipped: bool, nan: bool
+    ) -> None:
         self.steps += 1
         for name, value in values.items():
-            self.sums[name] = self.sums.get(name, 0.0) + value
+            if value is None:
+                self.absent[name] = self.absent.get(name, 0) + 1
+            else:
+                self.sums[name] = self.sums.get(name, 0.0) + value
         self.seconds += seconds
         self.skipped += skipped
         self.nans += nan
 
     def means(self) -> dict[str, float]:
-        return {name: total / self.steps for name, total in self.sums.items()}
+        """Each metric's mean over the steps that had a value (a source with no tokens in a
+        step has none)."""
+        return {
+            name: total / (self.steps - self.absent.get(name, 0))
+            for name, total in self.sums.items()
+        }
 
 
 @dataclass

@@ -65,9 +65,11 @@ class BlendedDataset(torch.utils.data.Dataset):
         return len(self.dataset_index)
 
     def __getitem__(self, idx: int) -> dict:
-        """Sample ``idx`` of the mixture (the component dataset's sample dict)."""
-        dataset = self.datasets[int(self.dataset_index[idx])]
-        return dataset[int(self.dataset_sample_index[idx])]
+        """Sample ``idx`` of the mixture: the component dataset's sample dict, and ``source``,
+        that dataset's position in the blend (what training's per-source losses group by)."""
+        part = int(self.dataset_index[idx])
+        sample = self.datasets[part][int(self.dataset_sample_index[idx])]
+        return {**sample, "source": torch.tensor(part, dtype=torch.int64)}
 
 
 def build_blended_dataset(

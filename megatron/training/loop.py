@@ -40,7 +40,8 @@ from megatron.training.exit import ExitPolicy
 from megatron.training.metrics import MetricsLogger, gather_memory, memory_mb
 from megatron.training.profiling import Profiling
 from megatron.training.reduction import LossSums, StepReduction, micro_batch_loss
-from megatron.training.spike_guard import LOSS, judge, roll_back
+from megatron.training.source_losses import SourceLosses
+from megatron.training.spike_guard import judge, roll_back
 from megatron.training.stragglers import PhaseTimes, Straggler, find_stragglers
 
 Batch = dict[str, Tensor]
@@ -78,6 +79,7 @@ class TrainLoop:
     downstream: Downstream = None  # training.eval_tasks, every eval_tasks_interval iterations
     reopen: Reopen | None = None  # with the spike guard: the streams after a rollback
     train_samples: int | None = None  # the train split's size: skipped batches come out of it
+    sources: SourceLosses | None = None  # a blend's: the loss of each source
     times: PhaseTimes = field(init=False, repr=False)
     hosts: list[str] = field(default_factory=list, init=False, repr=False)
     stages: list[int] = field(default_factory=list, init=False, repr=False)
@@ -114,6 +116,8 @@ class TrainLoop:
         self.ddp.zero_grad_buffer()
         step = StepReduction(self.state)
         routing = routing_stats(self.train.model)
+        if self.sources is not None:
+            self.sources.reset()
         if routing is not None:
             routing.reset()
             # The MoE losses' gradients: what backward multiplies the step's loss by.
@@ -147,11 +151,15 @@ class TrainLoop:
         memory = memory_mb(self.state.device, self.train.optimizer.state_bytes()) if logged else {}
         # The iteration's one host sync, after the step's last kernel: the metrics and this
         # rank's exit flags are summed over the world in the step's own all-reduce.
-        extra = None if routing is None else routing.pack()
+        extras = [x.pack() for x in (routing, self.sources) if x is not None]
+        extra = torch.cat(extras) if extras else None
         with times.phase("optimizer"):
             result = self.train.optimizer.step(step.pack(policy.local_flags(), extra))
         times.steps += 1
         means, flags, figures = step.unpack(result.sums)
+        if self.sources is not None:  # the figures' tail: none of them before every source
+            figures, mine = figures[: -self.sources.size], figures[-self.sources.size :]
+            means.update(self.sources.finish(mine))
         if routing is not None:  # the routing metrics, and the expert biases moved by them
             means.update(routing.finish(figures, self.num_micro, self.state.replicas))
         return result, means, memory, flags
@@ -186,6 +194,8 @@ class TrainLoop:
         signal that came during it counts now); one all-reduce and one host sync."""
         self.train.model.eval()
         step = StepReduction(self.state)
+        if self.sources is not None:
+            self.sources.reset()
         if self.stage is not None:
             # The forward-only schedule, one step's micro-batches at a time.
             for _ in range(iters):
@@ -199,12 +209,17 @@ class TrainLoop:
                 batch = self._next_batch(data)
                 step.add(micro_batch_loss(self.forward_step(self.train.model, batch))[1])
         self.train.model.train()
-        local = step.pack(policy.local_flags())
+        local = step.pack(
+            policy.local_flags(), None if self.sources is None else self.sources.pack()
+        )
         if self.state.world_size > 1:
             # The means over the replicas, and the flags of every rank, so that all stop together.
             dist.all_reduce(local)
         # The evaluation's one host sync: its means are logged now.
-        means, flags, _ = step.unpack(local.tolist())
+        means, flags, figures = step.unpack(local.tolist())
+        if self.sources is not None:
+            losses = self.sources.finish(figures).items()
+            means.update({name: value for name, value in losses if value is not None})
         return means, flags
 
     def _stragglers(self, per_rank: dict[str, list[float]], step_ms: float) -> list[Straggler]:
@@ -292,7 +307,7 @@ class TrainLoop:
             seconds = time.perf_counter() - start
             p.iteration += 1
             p.consumed_train_samples = stream_end
-            spike = judge(t, p, means.get(LOSS, math.nan), batch)
+            spike = judge(t, p, means, batch)
             if spike is not None:
                 if self.checkpointer is not None:
                     self.checkpointer.wait()  # a checkpoint still being written may be the one

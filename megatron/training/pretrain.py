@@ -29,7 +29,7 @@ from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config import skip_list
 from megatron.config.dtypes import DTYPES
 from megatron.config.load import parse_args
-from megatron.config.schema import Config, to_yaml
+from megatron.config.schema import Config, to_yaml, weighted_paths
 from megatron.data.loader import build_loader
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.data.splits import samples_per_split
@@ -54,6 +54,7 @@ from megatron.parallel.state import ParallelState
 from megatron.training.exit import ExitPolicy, ExitSignal
 from megatron.training.loop import Batch, Downstream, ForwardStep, TrainLoop
 from megatron.training.metrics import MetricsLogger
+from megatron.training.source_losses import SourceLosses
 
 DatasetsProvider = Callable[[Config, Tokenizer, tuple[int, int, int]], tuple[Any, Any, Any]]
 # (cfg, tokenizer) -> the training.eval_tasks scorer, built (and checked) before the model: the
@@ -289,6 +290,10 @@ def _train(
     )
     if load_dir is not None:  # the resume's own line, as each save has one
         metrics.record({"iteration": progress.iteration, "load_total_ms": load_ms})
+    prefixes = [prefix for _, prefix in weighted_paths(cfg.data.paths)]
+    sources = SourceLosses(prefixes, state) if len(prefixes) > 1 else None
+    if sources is not None:
+        forward_step = sources.wrap(forward_step)
     stage = None  # with pipeline parallelism: this rank's stage, which runs the schedule
     if state.pp_size > 1:
         mbs, dtype = cfg.training.micro_batch_size, DTYPES[cfg.precision.dtype]
@@ -298,6 +303,7 @@ def _train(
     loop = TrainLoop(cfg, state, train, ddp, metrics, forward_step, micro, vocab, heartbeat, stage)
     loop.downstream = tasks
     loop.reopen, loop.train_samples = streams.reopen, len(splits[0])
+    loop.sources = sources
     try:
         return loop.run(train_iter, valid_iter, test_iter, policy)
     finally:

@@ -15,14 +15,15 @@ from torch import Tensor
 
 from megatron.parallel.state import ParallelState
 
-# {loss name: (sum over the micro-batch, its count of tokens or samples)}
-LossSums = dict[str, tuple[Tensor, Tensor | int]]
+# {loss name: (sum over the micro-batch, its count of tokens or samples)}; a third element, the
+# per-sample sums [b], lets a blend's loss be split by source (``source_losses``).
+LossSums = dict[str, tuple[Tensor, Tensor | int] | tuple[Tensor, Tensor | int, Tensor]]
 
 
 def micro_batch_loss(losses: LossSums) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss to backpropagate, the sum of each loss's mean, and those means,
     detached, as its metrics."""
-    means = {name: total / count for name, (total, count) in losses.items()}
+    means = {name: total / count for name, (total, count, *_) in losses.items()}
     return sum(means.values()), {name: mean.detach() for name, mean in means.items()}
 
 

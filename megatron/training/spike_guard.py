@@ -15,6 +15,7 @@ never stopped.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from megatron.config import skip_list
 from megatron.config.schema import Config, TrainingConfig
 from megatron.logging import log
 from megatron.parallel.state import ParallelState
+from megatron.training.source_losses import PREFIX
 
 LOSS = "lm loss"  # the loss judged
 TOO_MANY_SPIKES = 5  # the exit code after training.max_rollbacks rollbacks and one more spike
@@ -37,18 +39,24 @@ class Spike:
     loss: float
     median: float  # of the window it was judged against
     batch: int  # the global batch it trained on
+    by_source: dict[str, float]  # a blend's loss of each source in the spiked step
 
 
-def judge(t: TrainingConfig, progress: Progress, loss: float, batch: int) -> Spike | None:
-    """The spike at ``progress.iteration`` (just trained on ``batch``), or None after taking its
-    loss into the window. A non-finite loss is the non-finite-step machinery's, not a spike."""
-    if t.spike_threshold is None or loss != loss or abs(loss) == float("inf"):
+def judge(
+    t: TrainingConfig, progress: Progress, means: dict[str, float | None], batch: int
+) -> Spike | None:
+    """The spike at ``progress.iteration`` (just trained on ``batch``, whose metrics are
+    ``means``), or None after taking its loss into the window. A non-finite loss is the
+    non-finite-step machinery's, not a spike."""
+    loss = means.get(LOSS)
+    if t.spike_threshold is None or loss is None or not math.isfinite(loss):
         return None
     window = progress.recent_losses
     if len(window) >= t.spike_window:
         median = statistics.median(window)
         if loss > t.spike_threshold * median:
-            return Spike(progress.iteration, loss, median, batch)
+            by_source = {k: v for k, v in means.items() if k.startswith(PREFIX) and v is not None}
+            return Spike(progress.iteration, loss, median, batch, by_source)
     progress.recent_losses = [*window, loss][-t.spike_window :]
     return None
 
@@ -98,9 +106,10 @@ def roll_back(
         what, restored.iteration, skip_list.describe(skipped), restored.rollbacks,
         t.max_rollbacks,
     )  # fmt: skip
+    by_source = {k.replace(" ", "_"): v for k, v in spike.by_source.items()}
     record({"iteration": spike.iteration, "spike_loss": spike.loss,
-                         "spike_median": spike.median, "rolled_back_to": restored.iteration,
-                         "skip_batches": restored.skip_batches})  # fmt: skip
+            "spike_median": spike.median, "rolled_back_to": restored.iteration,
+            "skip_batches": restored.skip_batches, **by_source})  # fmt: skip
     if restored.rollbacks <= t.max_rollbacks:
         return None
     save()
