@@ -84,10 +84,10 @@ def blend(gpt_data, tmp_path_factory) -> dict:
     return {"overrides": overrides, "poisoned": poisoned, "out": out, "firsts": firsts}
 
 
-def _run(blend: dict, name: str, check: bool = True, **extra):
+def _run(blend: dict, name: str, check: bool = True, nproc: int = 1, **extra):
     run = blend["out"] / name
     args = blend["overrides"](blend["poisoned"], run, **extra)
-    proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", args, check=check)
+    proc = run_pretrain("pretrain_gpt.py", "configs/gpt_tiny.yaml", args, nproc, check=check)
     return proc, run
 
 
@@ -164,3 +164,17 @@ def test_past_max_rollbacks_the_run_saves_and_exits_5(blend):
     assert meta["progress"]["skip_batches"] == [[11, POISONED]]
     assert meta["progress"]["rollbacks"] == 1
     assert (run / "ckpt" / "latest").read_text().strip() == "10"
+
+
+def test_every_rank_rolls_back_alike_at_tp2(blend):
+    """At TP 2 each rank judges the same summed loss: one rollback, the same skip list, and the
+    per-source losses counted once (not once per TP rank)."""
+    _, run = _run(blend, "tp2", nproc=2, **{"parallel.tensor_parallel_size": 2})
+    (back,) = [e for e in _records(run) if "rolled_back_to" in e]
+    assert (back["iteration"], back["rolled_back_to"]) == (POISONED, 10)
+    assert back["skip_batches"] == [[11, POISONED]]
+    lines = {e["iteration"]: e for e in read_metrics(run / "metrics.jsonl")}
+    first, second = "lm_loss_by_source/poisoned", "lm_loss_by_source/other_text_document"
+    for i, n in enumerate(blend["firsts"], 1):
+        parts = [(n, lines[i].get(first, 0.0)), (8 - n, lines[i].get(second, 0.0))]
+        assert sum(k * loss for k, loss in parts) / 8 == pytest.approx(lines[i]["lm_loss"], 1e-6)
