@@ -7,12 +7,16 @@ shape over all TP ranks, the dtype, and whether its rows are the vocabulary. Oth
 (megatron.checkpoint.stages) and a distributed optimizer's shard files
 (megatron.checkpoint.optim_shards) are served under the same keys, so all are read here alike.
 
-Reading a TP-split tensor saved at TP=a as rank r of TP=c::
+Reading a TP-split tensor saved at TP=a as rank r of TP=c is, in effect::
 
     full = cat([slice_0, ..., slice_{a-1}], split_dim)      # [.., padded_a, ..]
     full = full[:vocab_size]                                 # vocabulary tables: drop padding
     full = pad(full, padded_c - vocab_size zero rows)        # ... and pad for the new TP size
     mine = full.narrow(split_dim, r * n / c, n / c)
+
+but only the elements ``mine`` holds are read, each from the saved slice that holds it (a
+safetensors slice read), so a rank reads its share of the tensor and no more; the distributed
+optimizer's shard files are still merged whole.
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * tp``; rows past the
 real vocabulary are zero (weights, moments and main copies alike) and their count depends on the
@@ -177,9 +181,49 @@ class ShardedTensors:
             return self._slice(key, 0)
         if saved_tp == tp_size and (not vocab or padded_rows == info["shape"][0]):
             return self._slice(key, tp_rank)
-        shards = [self._slice(key, r) for r in range(saved_tp)]
-        full = merge_shards(shards, split, self.vocab_size if vocab else None)
-        return take_shard(full, split, tp_size, tp_rank, padded_rows if vocab else None)
+        if self.optim is not None and key in self.optim.layout:
+            shards = [self._slice(key, r) for r in range(saved_tp)]
+            full = merge_shards(shards, split, self.vocab_size if vocab else None)
+            return take_shard(full, split, tp_size, tp_rank, padded_rows if vocab else None)
+        size = padded_rows if vocab else info["shape"][split]
+        if size % tp_size:
+            raise ValueError(f"dimension {split} of size {size} does not split into {tp_size}")
+        local = size // tp_size
+        real = self.vocab_size if vocab else size  # vocabulary rows past it are zero
+        return self._span(key, split, tp_rank * local, (tp_rank + 1) * local, real)
+
+    def _span(self, key: str, split: int, lo: int, hi: int, real: int) -> Tensor:
+        """Elements [lo, hi) along ``split`` of the whole tensor, read from the saved slices
+        that hold them (only those elements of each), zeros from ``real`` on."""
+        saved_tp = len(self.paths)
+        held = self.layout[key]["shape"][split] // saved_tp
+        pieces = []
+        for j in range(saved_tp):
+            a, b = max(lo, j * held), min(hi, (j + 1) * held, real)
+            if a < b:
+                pieces.append(self._part(key, j, split, a - j * held, b - j * held))
+        if not pieces:  # padding only: an empty read gives the dtype and the other dimensions
+            pieces.append(self._part(key, 0, split, 0, 0))
+        out = torch.cat(pieces, split) if len(pieces) > 1 else pieces[0]
+        missing = hi - lo - out.shape[split]
+        if missing:
+            shape = list(out.shape)
+            shape[split] = missing
+            out = torch.cat([out, out.new_zeros(shape)], split)
+        return out
+
+    def _part(self, key: str, tp_rank: int, split: int, start: int, stop: int) -> Tensor:
+        """Elements [start, stop) along ``split`` of the slice saved by ``tp_rank``, read alone."""
+        if tp_rank not in self._files:
+            self._files[tp_rank] = open_safetensors(self.paths[tp_rank])
+        try:
+            return self._files[tp_rank].get_slice(key)[
+                (slice(None),) * split + (slice(start, stop),)
+            ]
+        except SafetensorError as e:
+            raise ConfigError(
+                f"{self.paths[tp_rank]}: cannot read {key} ({e}); the checkpoint is damaged"
+            ) from None
 
 
 def read_state(
