@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron.config.dtypes import DTYPES
+
 GEMM_SIDES = (32, 64, 128, 256, 512, 1024)  # square GEMMs of 2 * n^3 FLOPs
 STREAM_BYTES = 16 * 2**20
 SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
@@ -41,10 +43,13 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
 
-def gemm_table(device: torch.device, dtype: torch.dtype) -> tuple[float, list[list[float]]]:
-    """(the fastest GEMM's FLOP/s, [[GFLOP, fraction of it], ...]) over ``GEMM_SIDES``."""
+def gemm_table(
+    device: torch.device, dtype: torch.dtype, sides: tuple[int, ...] = GEMM_SIDES
+) -> tuple[float, list[list[float]]]:
+    """(the fastest GEMM's FLOP/s, [[GFLOP, fraction of it], ...]) over square GEMMs of
+    ``sides``."""
     rates = []
-    for n in GEMM_SIDES:
+    for n in sides:
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
         seconds = _best_seconds(lambda: a @ b, 7, _sync(device))  # noqa: B023
         rates.append((2 * n**3, 2 * n**3 / seconds))
@@ -95,5 +100,20 @@ def cpu_profile(
         "link_efficiency": 1.0,
         "intra_node_latency_us": latency * 1e6,
         "inter_node_latency_us": latency * 1e6,
+        "gemm_efficiency": table,
+    }
+
+
+def measured_device(base: dict, device: torch.device, dtype: str, sides: tuple[int, ...]) -> dict:
+    """``base`` (a profile's fields) with this device's GEMM table and peak for ``dtype`` and
+    its streaming bandwidth measured: what a one-GPU step's prediction rests on (its links
+    stay ``base``'s)."""
+    peak, table = gemm_table(device, DTYPES[dtype], sides)
+    return {
+        **base,
+        "name": f"{base['name']} (measured)",
+        "peak_tflops": {dtype: peak / 1e12},
+        "hbm_gb_per_s": stream_bandwidth(device) / 1e9,
+        "hbm_efficiency": 1.0,
         "gemm_efficiency": table,
     }

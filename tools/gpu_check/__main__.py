@@ -34,7 +34,8 @@ def build_steps(plan: Plan, scratch: Path, log: Path) -> list[Step]:
     def gpt_bf16(timeout: float) -> dict:
         run = scratch / "gpt_bf16"
         args = pretrain.overrides(data, run, plan.vocab_size, plan.gpt_overrides)
-        return pretrain.throughput(plan.gpt_config, args, run, plan.warmup_iters, timeout, log)
+        warmup = plan.warmup_iters
+        return pretrain.throughput(plan.gpt_config, args, run, warmup, timeout, log, plan.dry)
 
     def fp16(timeout: float) -> dict:
         run = scratch / "fp16"

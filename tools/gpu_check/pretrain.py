@@ -11,6 +11,7 @@ import json
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from megatron.config.load import load_config
 from megatron.estimate.device_peaks import bf16_peak_tflops, mfu
 from megatron.estimate.memory import GIB, estimate_memory
 from megatron.estimate.workload import Workload
+from tools.gpu_check.calibration import predict
 from tools.gpu_check.environment import ROOT, device_name
 from tools.gpu_check.runner import run_command
 
@@ -55,9 +57,11 @@ def train(config: str, args: list[str], run: Path, timeout: float, log: Path) ->
 
 
 def throughput(
-    config: str, args: list[str], run: Path, warmup: int, timeout: float, log: Path
+    config: str, args: list[str], run: Path, warmup: int, timeout: float, log: Path, dry: bool
 ) -> dict[str, Any]:
-    """Tokens/s, TFLOP/s, MFU and peak memory over the logged windows after ``warmup``."""
+    """Tokens/s, TFLOP/s, MFU and peak memory over the logged windows after ``warmup``, and
+    the step-time model, calibrated on this device, against the measured step."""
+    deadline = time.monotonic() + timeout
     lines, stdout = train(config, args, run, timeout, log)
     steady = [e for e in lines if e["iteration"] > warmup]
     if not steady:
@@ -105,6 +109,9 @@ def throughput(
         "peak_memory_of": "cuda max_memory_allocated" if cuda else "process max RSS",
         "estimated_memory_gib": estimate.total / GIB,
         "lm_loss": [e["lm_loss"] for e in lines],
+        "step_time_model": predict(
+            config, args, seconds * 1000, dry, deadline - time.monotonic(), log
+        ),
     }
 
 
