@@ -1,9 +1,9 @@
 """The step-time model against measured iterations of pretrain_gpt.py on this machine.
 
-Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput by size and copy
-bandwidth of one thread, measured in one process alone and in two at once, since two processes
-on a shared 2-core machine get less than two cores; gloo's all-reduce bandwidth and latency
-between the two), then
+Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput by size, copy
+bandwidth, an activation's forward and backward, and causal fused attention, of one thread,
+measured in one process alone and in two at once, since two processes on a shared 2-core
+machine get less than two cores; gloo's all-reduce bandwidth and latency between the two), then
 runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
 vocab 512) at TP1 (one process), TP2, DP2, PP2, TP2 with sequence parallelism and DP2 with the
 distributed optimizer (two processes of one thread each), and sets the model's ms/iteration
@@ -33,7 +33,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_pretrain import SHAPE as MODEL_SHAPE  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.estimate.calibrate import (  # noqa: E402
+    attention_rate,
     cpu_profile,
+    elementwise_bandwidth,
     gemm_table,
     link_figures,
     stream_bandwidth,
@@ -50,6 +52,7 @@ SHAPE = {  # bench_pretrain.py's model, at a batch that splits over DP 2 and PP 
     "training.eval_iters": 0,
 }
 ITERS, WARMUP = 20, 4
+ATTENTION_SHAPE = (4, 8, 256, 32)  # the model's micro-batch, heads, sequence and head width
 LAYOUTS = {  # name -> (processes, overrides)
     "TP1": (1, {"parallel.tensor_parallel_size": 1}),
     "TP2": (2, {"parallel.tensor_parallel_size": 2}),
@@ -71,17 +74,20 @@ def _measure(world: int) -> tuple:
     if world > 1:
         torch.distributed.init_process_group("gloo")
     peak, table = gemm_table(cpu, torch.float32)
-    stream = stream_bandwidth(cpu)
-    return peak, table, stream, link_figures() if world > 1 else (1.0, 1.0)
+    stream, elementwise = stream_bandwidth(cpu), elementwise_bandwidth(cpu)
+    attention = attention_rate(cpu, torch.float32, ATTENTION_SHAPE)
+    link = link_figures() if world > 1 else (1.0, 1.0)
+    return peak, table, stream, link, elementwise, attention
 
 
 def calibrate(out: Path) -> dict[int, Path]:
     """Measure this machine with one process and with two; a profile for each, under ``out``."""
     one, two = run_distributed(_measure, 1, 1)[0], run_distributed(_measure, 2, 2)[0]
     paths = {}
-    for processes, (peak, table, stream, _) in ((1, one), (2, two)):
+    for processes, (peak, table, stream, _, elementwise, attention) in ((1, one), (2, two)):
         paths[processes] = out / f"this-cpu-{processes}.yaml"
-        profile = cpu_profile(f"this-cpu-{processes}", peak, table, stream, two[3])
+        name = f"this-cpu-{processes}"
+        profile = cpu_profile(name, peak, table, stream, two[3], elementwise, attention)
         paths[processes].write_text(yaml.safe_dump(profile))
     return paths
 
@@ -117,6 +123,8 @@ def main() -> None:
         f"{n}_process": {
             "peak_gflops": round(c.peak("fp32") / 1e9, 1),
             "copy_gb_per_s": round(c.hbm_gb_per_s, 2),
+            "elementwise_gb_per_s": round(c.hbm() / 1e9, 2),
+            "attention_fraction_of_peak": round(c.attention_efficiency or 0.0, 3),
             "gloo_gb_per_s": round(c.intra_node_gb_per_s, 3),
             "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
         }

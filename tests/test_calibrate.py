@@ -13,7 +13,9 @@ from megatron.config.load import load_config
 from megatron.errors import ConfigError
 from megatron.estimate.calibrate import (
     GEMM_SIDES,
+    attention_rate,
     cpu_profile,
+    elementwise_bandwidth,
     gemm_table,
     link_figures,
     stream_bandwidth,
@@ -38,6 +40,27 @@ def test_a_measured_cpu_profile_loads_and_predicts(tmp_path):
     with pytest.raises(ConfigError, match="precision.dtype=bf16"):
         step_time(load_config(["configs/gpt_tiny.yaml"], ["precision.dtype=bf16"]), 512, "gpt",
                   2, cluster)  # fmt: skip
+
+
+def test_slower_attention_and_activations_measured_slow_the_prediction(tmp_path):
+    """The CPU's own figures for fused attention and memory-bound kernels enter the profile,
+    and a slower measurement of either predicts a slower step."""
+    cpu = torch.device("cpu")
+    torch.set_num_threads(1)
+    peak, table = gemm_table(cpu, torch.float32, (64, 128))
+    stream, elementwise = stream_bandwidth(cpu), elementwise_bandwidth(cpu)
+    attention = attention_rate(cpu, torch.float32, (2, 4, 128, 32))
+    assert 0 < elementwise and 0 < attention
+    cfg = load_config(["configs/gpt_tiny.yaml"], ["precision.dtype=fp32"])
+
+    def seconds(elementwise: float, attention: float) -> float:
+        profile = cpu_profile("here", peak, table, stream, (1e9, 1e-4), elementwise, attention)
+        path = tmp_path / "here.yaml"
+        path.write_text(yaml.safe_dump(profile))
+        return step_time(cfg, 512, "gpt", 2, load_cluster(str(path))).seconds
+
+    base = seconds(elementwise, attention)
+    assert seconds(elementwise / 2, attention) > base and seconds(elementwise, attention / 2) > base
 
 
 def _link() -> tuple[float, float]:

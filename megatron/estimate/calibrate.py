@@ -64,6 +64,29 @@ def stream_bandwidth(device: torch.device) -> float:
     return 2 * STREAM_BYTES / _best_seconds(lambda: dst.copy_(src), 9, _sync(device))
 
 
+def elementwise_bandwidth(device: torch.device) -> float:
+    """Bytes/s of an activation's forward and backward (GELU: 8 bytes an element forward, 12
+    backward, in fp32): what a layer's memory-bound kernels reach, which on a CPU thread is
+    compute, not the copy's bandwidth."""
+    x = torch.randn(STREAM_BYTES // 4 // 1024, 1024, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def gelu() -> None:
+        torch.nn.functional.gelu(x).backward(grad)
+
+    return 20 * x.numel() / _best_seconds(gelu, 7, _sync(device))
+
+
+def attention_rate(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> float:
+    """FLOP/s of causal fused attention forward on ``shape`` (batch, heads, seq, head dim),
+    its FLOPs counted unmasked (4 b s^2 a d) as the step-time model counts them."""
+    b, a, s, d = shape
+    q, k, v = (torch.randn(b, a, s, d, device=device, dtype=dtype) for _ in "qkv")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seconds = _best_seconds(lambda: sdpa(q, k, v, is_causal=True), 7, _sync(device))
+    return 4 * b * s * s * a * d / seconds
+
+
 def link_figures(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     """(bytes/s, seconds per ring step) of the all-reduce on ``group`` (two ranks), measured in
     place on fp32 tensors; every rank of the group calls it."""
@@ -80,10 +103,18 @@ def link_figures(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
 
 
 def cpu_profile(
-    name: str, peak: float, table: list[list[float]], stream: float, link: tuple[float, float]
+    name: str,
+    peak: float,
+    table: list[list[float]],
+    stream: float,
+    link: tuple[float, float],
+    elementwise: float | None = None,
+    attention: float | None = None,
 ) -> dict:
     """A profile (the fields of megatron/estimate/cluster.py's Cluster) for processes of one
-    thread on this machine: a node is its cores, every figure achievable as measured."""
+    thread on this machine: a node is its cores, every figure achievable as measured; the
+    memory-bound kernels at ``elementwise`` bytes/s (else the copy's), fused attention at
+    ``attention`` FLOP/s (else a GEMM's rate)."""
     cores = os.cpu_count() or 1
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     bandwidth, latency = link
@@ -94,26 +125,38 @@ def cpu_profile(
         "gpu_memory_gb": round(memory_gb / cores, 1),
         "peak_tflops": {"fp32": peak / 1e12},
         "hbm_gb_per_s": stream / 1e9,
-        "hbm_efficiency": 1.0,
+        "hbm_efficiency": min(1.0, elementwise / stream) if elementwise else 1.0,
         "intra_node_gb_per_s": bandwidth / 1e9,
         "inter_node_gb_per_s": bandwidth / 1e9,
         "link_efficiency": 1.0,
         "intra_node_latency_us": latency * 1e6,
         "inter_node_latency_us": latency * 1e6,
         "gemm_efficiency": table,
+        "attention_efficiency": min(1.0, attention / peak) if attention else None,
     }
 
 
-def measured_device(base: dict, device: torch.device, dtype: str, sides: tuple[int, ...]) -> dict:
-    """``base`` (a profile's fields) with this device's GEMM table and peak for ``dtype`` and
-    its streaming bandwidth measured: what a one-GPU step's prediction rests on (its links
-    stay ``base``'s)."""
+def measured_device(
+    base: dict,
+    device: torch.device,
+    dtype: str,
+    sides: tuple[int, ...],
+    attention_shape: tuple[int, int, int, int],
+) -> dict:
+    """``base`` (a profile's fields) with this device's GEMM table and peak for ``dtype``, its
+    streaming bandwidth and its fused attention's rate on ``attention_shape`` measured: what a
+    one-GPU step's prediction rests on (its links stay ``base``'s)."""
     peak, table = gemm_table(device, DTYPES[dtype], sides)
+    stream = stream_bandwidth(device)
+    # A GPU's memory-bound kernels stream at the copy's rate; a CPU thread's compute.
+    elementwise = elementwise_bandwidth(device) if device.type == "cpu" else stream
+    attention = attention_rate(device, DTYPES[dtype], attention_shape)
     return {
         **base,
         "name": f"{base['name']} (measured)",
         "peak_tflops": {dtype: peak / 1e12},
-        "hbm_gb_per_s": stream_bandwidth(device) / 1e9,
-        "hbm_efficiency": 1.0,
+        "hbm_gb_per_s": stream / 1e9,
+        "hbm_efficiency": min(1.0, elementwise / stream),
         "gemm_efficiency": table,
+        "attention_efficiency": min(1.0, attention / peak),
     }

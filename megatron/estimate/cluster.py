@@ -2,14 +2,14 @@
 
 A profile is a YAML file (the shipped ones in megatron/estimate/clusters/, sources in their
 comments and in docs/performance_model.md); ``--cluster`` takes a shipped name or a path. Every
-field is required; bandwidths are each way, per GPU.
+field but ``attention_efficiency`` is required; bandwidths are each way, per GPU.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import NamedTuple
 
 import yaml
@@ -41,6 +41,9 @@ class Cluster:
     intra_node_latency_us: float  # per step of a ring (one hop), not per collective
     inter_node_latency_us: float
     gemm_efficiency: list[list[float]]  # [GFLOP of one GEMM, fraction of peak], ascending
+    # Fused attention's fraction of peak (its FLOPs counted as a full, unmasked product, as
+    # flops.py counts them); optional, measured by a calibration: else a GEMM's of its size.
+    attention_efficiency: float | None = None
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype``; ConfigError when the profile has no figure for it."""
@@ -63,6 +66,9 @@ class Cluster:
             else (self.intra_node_gb_per_s, self.intra_node_latency_us)
         )
         return Link(gb * 1e9 * self.link_efficiency, us * 1e-6)
+
+    def attention_fraction(self, flops: float) -> float:
+        return self.attention_efficiency or self.gemm_fraction(flops)
 
     def gemm_fraction(self, flops: float) -> float:
         """The fraction of peak a GEMM of ``flops`` reaches: log-linear between the table's
@@ -100,12 +106,12 @@ def load_cluster(name_or_path: str) -> Cluster:
         raise ConfigError(f"{path}: a cluster profile maps field: value; see {PROFILE_DIR}")
     values = {}
     for f in fields(Cluster):
-        if f.name not in data:
+        if f.name not in data and f.default is MISSING:
             raise ConfigError(
                 f"{path}: the cluster profile lacks '{f.name}'; add it (see the shipped "
                 f"profiles in {PROFILE_DIR})"
             )
-        values[f.name] = data[f.name]
+        values[f.name] = data.get(f.name, f.default)
     _check(path, values)
     return Cluster(**values)
 
@@ -123,7 +129,8 @@ def _check(path: str, v: dict) -> None:
     for key in numbers + ("inter_node_gb_per_s", "intra_node_latency_us", "inter_node_latency_us"):
         if not positive(v[key]):
             raise bad(key, "a positive number")
-    for key in ("hbm_efficiency", "link_efficiency"):
+    optional = ("attention_efficiency",) if v["attention_efficiency"] is not None else ()
+    for key in ("hbm_efficiency", "link_efficiency", *optional):
         if not positive(v[key]) or v[key] > 1:
             raise bad(key, "a fraction in (0, 1]")
     if v["device"] not in ("cuda", "cpu"):

@@ -12,7 +12,8 @@ Memory-bound kernels stream bytes at the cluster's achievable HBM bandwidth: per
 ``HIDDEN_PASSES`` reads or writes of a [T, h] tensor (two norms: 2 each; two bias-dropout-adds:
 3 each plus a 1-byte mask; split over TP under sequence parallelism, else whole on every rank)
 and the activation's passes over fc1's output (2, SwiGLU 3); backward twice that. Attention is
-fused (flash): its scores never reach memory.
+fused (flash): its scores never reach memory, and its backward recomputes them, 2.5x the
+forward's FLOPs; it runs at the profile's ``attention_efficiency`` where one was measured.
 
 Collectives: TP's two all-reduces forward (sequence parallel: two all-gathers and two
 reduce-scatters, the same ring traffic) and two backward, the input gradients of QKV and fc1,
@@ -31,6 +32,7 @@ from megatron.estimate.collectives import Links, all_reduce, all_to_all, send
 from megatron.estimate.memory import DTYPE_BYTES
 
 HIDDEN_PASSES = 2 * 2 + 2 * 3.5  # norms' read + write, bias-dropout-adds' 3 passes + mask
+ATTENTION_RECOMPUTE = 0.5  # fused attention's backward beyond twice its forward
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class Kernels:
         """``count`` GEMMs of ``flops`` each."""
         return count * flops / (self.peak * self.cluster.gemm_fraction(flops)) if flops else 0.0
 
+    def attention(self, flops: float) -> float:
+        """Fused attention of ``flops`` (counted unmasked), forward."""
+        return flops / (self.peak * self.cluster.attention_fraction(flops)) if flops else 0.0
+
     def stream(self, nbytes: float) -> float:
         return nbytes / self.cluster.hbm()
 
@@ -81,7 +87,7 @@ def layer_passes(
     tokens = cfg.training.micro_batch_size * s // cp
     gated = 2 if m.activation == "swiglu" else 1
     qkv = kernels.gemm(2 * tokens * h * (a + 2 * g) * d / t)
-    attention = kernels.gemm(4 * tokens * s * a * d / t)
+    attention = kernels.attention(4 * tokens * s * a * d / t)
     dense = qkv + attention + kernels.gemm(2 * tokens * a * d * h / t)
 
     def mlp(width: int, rows: float, count: int = 1) -> tuple[float, float]:
@@ -111,7 +117,11 @@ def layer_passes(
     forward = Pass(compute, 2 * tp_each, 2 * tp_each)
     wgrad = {"qkv": qkv, "fc1": fc1}  # what hides each column-parallel input-gradient reduce
     hidden = sum(min(tp_each, w) for w in wgrad.values()) if cuda else 0.0
-    backward = Pass(2 * compute, 2 * tp_each, 2 * tp_each - hidden)
+    # Backward: twice the forward, and fused attention's recomputed scores on top (FlashAttention:
+    # 2.5x its forward's FLOPs).
+    backward = Pass(
+        2 * compute + ATTENTION_RECOMPUTE * attention, 2 * tp_each, 2 * tp_each - hidden
+    )
 
     if cp > 1:  # (cp - 1) hops of this rank's K/V [2, b, g/t, s/cp, d], each behind one block
         kv = 2 * tokens * g / t * d

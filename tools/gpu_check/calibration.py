@@ -28,6 +28,8 @@ from tools.gpu_check.environment import ROOT, device_name
 from tools.gpu_check.runner import run_command
 
 GPU_SIDES, CPU_SIDES = (512, 1024, 2048, 4096, 8192), (32, 64, 128, 256)
+# (batch, heads, seq, head dim) of the attention timed: the 1.2B step's, and the dry plan's.
+GPU_ATTENTION, CPU_ATTENTION = (8, 16, 1024, 96), (2, 4, 64, 16)
 # The shipped profile whose links a measured GPU keeps, by a word of its name.
 _BASES = {"H200": "dgx-h200", "H100": "dgx-h100", "A100": "dgx-a100-80gb", "V100": "dgx2h-v100"}
 _PLACEHOLDER_LINK = (1e9, 1e-5)  # bytes/s, s per ring step: unused by a one-process step
@@ -43,8 +45,9 @@ def profile(dtype: str, dry: bool) -> dict[str, Any]:
     if dry or not torch.cuda.is_available():
         torch.set_num_threads(1)
         base = cpu_profile("cpu", 1.0, [[1.0, 1.0]], 1.0, _PLACEHOLDER_LINK)
-        return measured_device(base, torch.device("cpu"), dtype, CPU_SIDES)
-    return measured_device(_base(device_name()), torch.device("cuda"), dtype, GPU_SIDES)
+        return measured_device(base, torch.device("cpu"), dtype, CPU_SIDES, CPU_ATTENTION)
+    cuda = torch.device("cuda")
+    return measured_device(_base(device_name()), cuda, dtype, GPU_SIDES, GPU_ATTENTION)
 
 
 def predict(
