@@ -254,10 +254,17 @@ class RingBuffers(NamedTuple):
     dkv: int  # fp32 dK/dV accumulators of that shape: 2 at CP 2, else 4
     working: int  # fp32 dq [b, a/t, s/c, d] and fp32 row statistics [b, a/t, s/2c]
     pair: int  # one pair's kernel call: its dq, dk, dv (model dtype), CUDA's per-head k/v copies
+    kernel: int = 0  # the backward kernel's private workspace, where measured (CPU)
 
     @property
     def total(self) -> int:
-        return self.kv + self.dkv + self.working + self.pair
+        return self.kv + self.dkv + self.working + self.pair + self.kernel
+
+
+# The CPU flash kernel's backward workspace beyond a q-sized block in the model dtype: per-thread
+# tiles, measured (resident set, one thread) at 1.0 MiB in fp32 and 1.6 MiB in bf16, for pairs
+# of 1024 to 4096 rows, 4 to 8 heads, head_dim 64 and 128.
+CPU_KERNEL_TILES = {4: 1 << 20, 2: 1677722}
 
 
 def ring_attention_bytes(
@@ -282,8 +289,9 @@ def ring_attention_bytes(
     [b, a/t, s/2c, d] and its dk, dv [b, g/t, s/2c, d] in the model dtype; on CUDA, where the
     memory-efficient kernel reads k and v per head, the per-head copies of k and v and the
     per-head dk, dv before they are summed to groups, four [b, s/2c, a/t, d] (unless g = a).
-    The kernels' private workspace (per-thread tiles on CPU) is not a tensor and not counted
-    here: benchmarks/bench_context_parallel.py measures it with the allocator's own counts.
+    The backward kernel's private workspace, which no tensor shows: on CPU, measured, a block
+    of the pair's q size [b, a/t, s/2c, d] in the model dtype plus ``CPU_KERNEL_TILES`` (one
+    thread); on CUDA not measured here and not counted.
     """
     if context_parallel == 1:
         return RingBuffers(0, 0, 0, 0)
@@ -295,4 +303,7 @@ def ring_attention_bytes(
     working = 4 * b * heads * (s * d + rows * (s // 2))
     per_head = 4 * heads if device == "cuda" and groups != heads else 0
     pair = elem_bytes * b * (s // 2) * d * (heads + 2 * groups + per_head)
-    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, pair)
+    kernel = 0
+    if device == "cpu":
+        kernel = elem_bytes * b * heads * (s // 2) * d + CPU_KERNEL_TILES.get(elem_bytes, 1 << 20)
+    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, pair, kernel)

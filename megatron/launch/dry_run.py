@@ -148,7 +148,8 @@ def _report_memory(
             f" [2, b, g/t, s/cp, d] {ring.kv / GIB:.2f} GiB, fp32 dK/dV\n    accumulators"
             f" {ring.dkv / GIB:.2f} GiB, fp32 dq and row statistics {ring.working / GIB:.2f}"
             f" GiB,\n    one pair's fused-kernel call {ring.pair / GIB:.2f} GiB (no score"
-            " blocks); the totals count them once.\n"
+            " blocks; the CUDA kernel's own\n    workspace is not measured, not counted); the"
+            " totals count them once.\n"
         )
     if moe:
         out.write(
