@@ -39,6 +39,12 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def kernel_name(device: torch.device) -> str:
+    """The kernel ``forward`` and ``backward`` run on ``device``."""
+    names = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "cuda": "_efficient_attention"}
+    return names.get(device.type, "none")
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of q [b, heads, m, d] over k, v [b, groups, n, d]: (output [b, heads, m, d] in
     q's dtype, lse fp32 [b, heads, m]). ``causal``: key j is seen by query i iff j <= i."""

@@ -186,12 +186,47 @@ def _merge(out: Tensor, lse: Tensor, block: Tensor, block_lse: Tensor) -> None:
     lse.copy_(merged)
 
 
+def attend_block(q, kv, index, src, size, causal, runs, out, lse) -> None:
+    """Fold the attention of this rank's queries q [b, heads, 2c, d] over ring position ``src``'s
+    K/V block ``kv`` [2, b, groups, 2c, d] into the running fp32 ``out`` and ``lse`` (in place):
+    the pairs the mask leaves, one kernel call each. The forward's work for one ring step."""
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[3])
+    for pair in _pairs(index, src, size, causal):
+        for n, rows, cols, diagonal in _blocks(*pair, c, causal, runs):
+            block, block_lse = kernels.forward(
+                q[n, :, rows], kv[0][n, :, cols], kv[1][n, :, cols], diagonal, scale
+            )
+            _merge(out[n, :, rows], lse[n, :, rows], block, block_lse)
+
+
+def attend_block_backward(dout, q, kv, out, lse, index, src, size, causal, runs, dq, dkv) -> None:
+    """Add the same pairs' shares of the gradients to the fp32 ``dq`` (like q) and ``dkv`` (like
+    kv), from the merged ``out`` and ``lse``: each pair's P = exp(s − lse) and rowsum(dO · O)
+    are the whole softmax's, so the kernel's backward gives that pair's exact share."""
+    c, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[3])
+    for pair in _pairs(index, src, size, causal):
+        for n, rows, cols, diagonal in _blocks(*pair, c, causal, runs):
+            dqb, dkb, dvb = kernels.backward(
+                dout[n, :, rows],
+                q[n, :, rows],
+                kv[0][n, :, cols],
+                kv[1][n, :, cols],
+                out[n, :, rows],
+                lse[n, :, rows],
+                diagonal,
+                scale,
+            )
+            dq[n, :, rows] += dqb
+            dkv[0][n, :, cols] += dkb
+            dkv[1][n, :, cols] += dvb
+            del dqb, dkb, dvb
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, causal, runs):
         b, h, s_local, d = q.shape
-        c, size = s_local // 2, ring.size
-        scale = 1.0 / math.sqrt(d)
+        size = ring.size
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack((k, v))
@@ -200,12 +235,7 @@ class _RingAttention(torch.autograd.Function):
                 nxt = torch.empty_like(kv)
                 works = _hop(ring, kv, nxt)
             src = (ring.index - step) % size
-            for pair in _pairs(ring.index, src, size, causal):
-                for n, rows, cols, diagonal in _blocks(*pair, c, causal, runs):
-                    block, block_lse = kernels.forward(
-                        q[n, :, rows], kv[0][n, :, cols], kv[1][n, :, cols], diagonal, scale
-                    )
-                    _merge(out[n, :, rows], lse[n, :, rows], block, block_lse)
+            attend_block(q, kv, ring.index, src, size, causal, runs, out, lse)
             if step < size - 1:
                 _wait(works)
                 kv = nxt
@@ -221,8 +251,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, runs = ctx.ring, ctx.causal, ctx.runs
-        c, size = q.shape[2] // 2, ring.size
-        scale = 1.0 / math.sqrt(q.shape[3])
+        size = ring.size
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
         own = incoming = None  # this rank's own dK/dV; the last dK/dV hop (works, recv, sent)
@@ -232,23 +261,9 @@ class _RingAttention(torch.autograd.Function):
                 works = _hop(ring, kv, nxt)
             src = (ring.index - step) % size
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for pair in _pairs(ring.index, src, size, causal):
-                for n, rows, cols, diagonal in _blocks(*pair, c, causal, runs):
-                    # The merged output and lse: this pair's exact share of every gradient.
-                    dqb, dkb, dvb = kernels.backward(
-                        dout[n, :, rows],
-                        q[n, :, rows],
-                        kv[0][n, :, cols],
-                        kv[1][n, :, cols],
-                        out[n, :, rows],
-                        lse[n, :, rows],
-                        diagonal,
-                        scale,
-                    )
-                    dq[n, :, rows] += dqb
-                    dkv[0][n, :, cols] += dkb
-                    dkv[1][n, :, cols] += dvb
-                    del dqb, dkb, dvb
+            attend_block_backward(
+                dout, q, kv, out, lse, ring.index, src, size, causal, runs, dq, dkv
+            )
             if step < size - 1:
                 _wait(works)
                 kv = nxt
