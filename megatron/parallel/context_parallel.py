@@ -18,21 +18,22 @@ with its lse; the output is cast back at the end. No rank ever holds a [c, c] sc
 kernels tile it. The same code at CP 1 is the ring's diagonal pair alone (the model itself runs
 SDPA at CP 1).
 
-Document ids (the full [b, S] tensor, the same on every rank) are turned once per call into
-each sample's runs of equal id (one host copy). A document mask between two chunks allows
-exactly the (query run, key run) rectangles of one document: each is a kernel call of its own
-(per sample), unmasked, or causal where a run meets itself on the diagonal pair. So document
-masks run on the same fused kernels and the same merged-lse backward, exactly, with no mask
-tensor; the cost is one call per (sample, document piece) pair, which many tiny documents make
-slow (1-token documents: one call per token). flex_attention with a block mask was the
-alternative, and measured out (torch 2.13, CPU, one thread, seq 4096, 8 heads in 2 groups of
-64, fp32, 5 documents): the runs take 510 ms and 31 MiB for forward+backward; flex has no
-backward on CPU ("FlexAttention does not support backward on CPU"), its eager forward alone
+Document ids (the full [b, S] tensor, the same on every rank) are turned once per call into each
+sample's runs of equal id (one host copy). A document mask between two chunks allows exactly the
+(query run, key run) rectangles of one document: each is a kernel call of its own (per sample),
+unmasked, or causal where a run meets itself on the diagonal pair. So document masks run on the
+same fused kernels and the same merged-lse backward, exactly, with no mask tensor; the cost is
+one call per (sample, document piece) pair, which many tiny documents make slow: at seq 4096 on
+one CPU thread (8 heads in 2 groups of 64, fp32, CP 1), forward+backward takes 0.5 s with 4
+documents, 0.4 s with 64-token ones and 2.1 s with 1-token ones. flex_attention with a block
+mask was the alternative, and measured out (torch 2.13, CPU, one thread, seq 4096, 8 heads in 2
+groups of 64, fp32, 5 documents): the runs take 510 ms and 31 MiB for forward+backward; flex has
+no backward on CPU ("FlexAttention does not support backward on CPU"), its eager forward alone
 takes 8.0 s and 1.7 GiB, and compiled on CPU it refuses ``return_lse`` ("only supports
-inference"); a dense-mask SDPA takes 2.9 s and 109 MiB. Nor can flex's backward take an
-external (merged) lse. On CUDA flex (or the kernels' varlen forms) may beat many small calls:
-not measured. A row that a pair masks entirely is not touched by it; the merged lse is finite,
-since each query sees at least itself.
+inference"); a dense-mask SDPA takes 2.9 s and 109 MiB. Nor can flex's backward take an external
+(merged) lse. On CUDA flex (or the kernels' varlen forms) may beat many small calls: not
+measured. A row that a pair masks entirely is not touched by it; the merged lse is finite, since
+each query sees at least itself.
 
 Backward, as flash attention's: with the final (merged) output and lse, each pair's P = exp(s −
 lse) and rowsum(dO · O) are the whole softmax's, so the kernel's backward op gives that pair's
@@ -163,10 +164,12 @@ def _blocks(
         yield slice(None), rows, cols, causal and kc == qc
         return
     for b, sample in enumerate(runs):
-        keys = _clip(sample, kc, c)
+        keys: dict[int, list[tuple[int, int]]] = {}  # document id: its key runs in the chunk
+        for doc, ka, ke in _clip(sample, kc, c):
+            keys.setdefault(doc, []).append((ka, ke))
         for doc, qa, qe in _clip(sample, qc, c):
-            for kdoc, ka, ke in keys:
-                if kdoc != doc or (causal and kc == qc and ka > qa):
+            for ka, ke in keys.get(doc, ()):
+                if causal and kc == qc and ka > qa:
                     continue
                 rows, cols = slice(qi * c + qa, qi * c + qe), slice(ki * c + ka, ki * c + ke)
                 yield slice(b, b + 1), rows, cols, causal and kc == qc and ka == qa
