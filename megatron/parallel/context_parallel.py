@@ -15,8 +15,8 @@ every other pair is one call of a fused attention kernel (``attention_kernels``:
 runs on which device) that returns the pair's output, normalised on its own, and its
 log-sum-exp ([b, heads, c], natural log, fp32). Each is merged into the running fp32 output
 with its lse; the output is cast back at the end. No rank ever holds a [c, c] score matrix: the
-kernels tile it. The same code at CP 1 is the ring's diagonal pair alone (the model itself runs
-SDPA at CP 1).
+kernels tile it. At CP 1 the same code runs the ring's first step alone (a rank's own block:
+its two diagonal pairs and one full pair); the model itself runs SDPA at CP 1.
 
 Document ids (the full [b, S] tensor, the same on every rank) are turned once per call into each
 sample's runs of equal id (one host copy). A document mask between two chunks allows exactly the
