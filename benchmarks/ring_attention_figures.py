@@ -11,8 +11,9 @@ experimental context-parallel ring (benchmarks/bench_context_parallel.py prints 
   staying in the heap for the next to reuse unseen. Against it: the tensors that hold the
   output and lse (what backward keeps) plus ``ring_attention_bytes(..., device="cpu")``.
 - **Time**: the median of the timed calls of one rank's forward+backward (every rank starts each
-  call together; a call's time is the slowest rank's), against one process running SDPA's causal
-  forward+backward over the whole sequence (the same heads, groups and dtype). One thread per
+  call together; a call's time is the slowest rank's), against SDPA's causal forward+backward
+  over the whole sequence (the same heads, groups and dtype) in rank 0's process while the other
+  waits, alternated call by call with the ring's so that both see the same load. One thread per
   process: CP 2 is two processes on the two cores, SDPA one process on one core.
 - **torch's ring**: ``torch.distributed.tensor.experimental.context_parallel`` on the same
   shapes, where it runs; on CPU it does not (its ring handles only the CUDA SDPA kernels), and
@@ -95,7 +96,22 @@ def _timed(call, warmup: int, reps: int, barrier=lambda: None) -> list[float]:
     return times
 
 
+def _sdpa_call(shape: AttnShape):
+    """One process's causal SDPA forward+backward over the whole sequence, as a call."""
+    (q, k, v), dout = _inputs(shape, shape.seq, 0)
+
+    def call():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(dout)
+        for t in (q, k, v):
+            t.grad = None
+
+    return call
+
+
 def _ring_child(shape: AttnShape, cp: int, warmup: int, reps: int) -> dict:
+    """This rank's peak bytes and per-call ms; rank 0 also times SDPA over the whole sequence
+    between the ring's calls, while the other ranks wait (the same load on the machine)."""
     import torch.distributed as dist
 
     from megatron.parallel.context_parallel import Ring, ring_attention
@@ -115,19 +131,15 @@ def _ring_child(shape: AttnShape, cp: int, warmup: int, reps: int) -> dict:
         call()
     dist.barrier()
     peak = _rss_peak(call)
-    return {"peak_bytes": peak, "ms": _timed(call, warmup, reps, dist.barrier)}
-
-
-def _sdpa_child(shape: AttnShape, warmup: int, reps: int) -> list[float]:
-    (q, k, v), dout = _inputs(shape, shape.seq, 0)
-
-    def call():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out.backward(dout)
-        for t in (q, k, v):
-            t.grad = None
-
-    return _timed(call, warmup, reps)
+    sdpa = _sdpa_call(shape) if state.cp_rank == 0 else None
+    ring_ms, sdpa_ms = [], []
+    for _ in range(warmup + reps):  # alternated: ring, then SDPA on rank 0
+        ring_ms += _timed(call, 0, 1, dist.barrier)
+        dist.barrier()
+        if sdpa is not None:
+            sdpa_ms += _timed(sdpa, 0, 1)
+        dist.barrier()
+    return {"peak_bytes": peak, "ms": ring_ms[warmup:], "sdpa_ms": sdpa_ms[warmup:]}
 
 
 def _torch_ring_child(shape: AttnShape, warmup: int, reps: int) -> dict:
@@ -180,9 +192,7 @@ def attention_figures(shape: AttnShape, warmup: int = 1, reps: int = 3) -> dict:
     """Peak memory and per-rank time of CP 2 against SDPA, the estimate and torch's ring."""
     ranks = run_distributed(_ring_child, 2, shape, 2, warmup, reps, timeout=900)
     ring_ms = statistics.median(max(r["ms"][i] for r in ranks) for i in range(reps))
-    sdpa_ms = statistics.median(
-        run_distributed(_sdpa_child, 1, shape, warmup, reps, timeout=900)[0]
-    )
+    sdpa_ms = statistics.median(ranks[0]["sdpa_ms"])
     torch_ring = run_distributed(_torch_ring_child, 2, shape, warmup, reps, timeout=900)[0]
     peak = max(r["peak_bytes"] for r in ranks)
     est = estimate(shape, 2)
