@@ -289,13 +289,20 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, document_ids: Tensor | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ring: Ring,
+    causal: bool,
+    document_ids: Tensor | None,
+    runs: Runs | None = None,
 ) -> Tensor:
     """Attention of this rank's queries over the whole sequence held by ``ring``.
 
     q: [b, heads, 2c, d], k and v: [b, groups, 2c, d] (this rank's two chunks, in local
-    order); ``document_ids``: None or the full [b, S] ids. Returns [b, heads, 2c, d] in q's
-    dtype: softmax(q kᵀ / sqrt(d) + mask) v, without dropout.
+    order); ``document_ids``: None or the full [b, S] ids, and ``runs`` their
+    ``document_runs`` if already found (a forward pass finds them once for all its layers).
+    Returns [b, heads, 2c, d] in q's dtype: softmax(q kᵀ / sqrt(d) + mask) v, without dropout.
     """
     b, h, s_local, _ = q.shape
     g = k.shape[1]
@@ -307,5 +314,6 @@ def ring_attention(
     if document_ids is not None:
         if document_ids.shape != (b, s_local * ring.size):
             raise ValueError(f"document_ids {tuple(document_ids.shape)} are not [b, S]")
-        runs = document_runs(document_ids)
+        if runs is None:
+            runs = document_runs(document_ids)
     return _RingAttention.apply(q, k, v, ring, causal, runs)
