@@ -35,7 +35,8 @@ in training), positions global.
   index with (16 bytes per token), which the estimate leaves out. Both count the rank's s/c
   tokens, so the ratios are unaffected.
   The ring's transient buffers (``ring_attention_bytes``: K/V messages, dK/dV accumulators,
-  score blocks) are not saved tensors and are not measured here; their figure is printed.
+  one fused-kernel pair's buffers) are not saved tensors and are not measured here; their
+  figure is printed, and measured by the attention figures below.
 
 - **Step time**, CP 1 against CP 2: real training steps (forward with the loss, backward,
   ``DataParallel.finish_grad_sync`` over the CP replicas, the optimizer's step) of the same
@@ -47,13 +48,23 @@ in training), positions global.
   An iteration's time is the slowest rank's; the median over the timed steps is printed, with
   the load average, since on 2 shared cores a busy neighbour moves it by tens of percent.
 
+- **Attention alone** (``attention``; benchmarks/ring_attention_figures.py says how): at seq
+  8192 (``--attention-seq``), b 1, 8 heads in 2 groups of 64 dims, bf16, causal, CP 2: one
+  rank's peak resident memory for one ring forward+backward against the estimate (output, lse
+  and ``ring_attention_bytes(..., "cpu")``) and against the four fp32 score blocks the unfused
+  ring held; one rank's forward+backward time against one process's SDPA over the whole
+  sequence (goal: at most 0.65x); and torch's experimental context_parallel ring, which on CPU
+  raises (its ring covers only the CUDA SDPA kernels): its error is the figure.
+
 Prints one JSON line.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_context_parallel.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_context_parallel.py --attention-only
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -67,6 +78,7 @@ from torch import Tensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory_probe import build_gpt, saved_bytes  # noqa: E402
+from benchmarks.ring_attention_figures import AttnShape, attention_figures  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.config.schema import Config, padded_vocab_size  # noqa: E402
 from megatron.estimate.activations import (  # noqa: E402
@@ -263,12 +275,28 @@ def measure_steps(shape: Shape, cps: tuple[int, ...], warmup: int, steps: int) -
     return out
 
 
+def attention_checks(figures: dict) -> dict[str, bool]:
+    """The attention figures' goals: peak within 10% of the estimate, CP 2's time at most 0.65x
+    SDPA's over the whole sequence."""
+    return {
+        "attention_peak_within_10pct_of_estimate": abs(figures["peak_over_estimate"] - 1) <= 0.1,
+        "attention_cp2_at_most_0.65x_sdpa": figures["cp2_over_sdpa"] <= 0.65,
+    }
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention-seq", type=int, default=8192)
+    parser.add_argument("--attention-reps", type=int, default=3)
+    parser.add_argument("--attention-only", action="store_true", help="skip the model figures")
+    args = parser.parse_args()
     start = time.perf_counter()
     shape = Shape()
     cfg = bench_config(shape, 1)
-    result: dict = {
-        "config": {
+    result: dict = {"threads_per_process": 1}
+    checks: dict[str, bool] = {}
+    if not args.attention_only:
+        result["config"] = {
             **asdict(shape),
             "base": "configs/gpt_tiny.yaml",
             "vocab": VOCAB,
@@ -277,25 +305,26 @@ def main() -> None:
             "dropout": 0.0,
             "ffn_hidden": cfg.model.ffn_hidden_size,
             "global_tokens_per_step": shape.batch * shape.seq,
-        },
-        "threads_per_process": 1,
-    }
-    acts = activation_figures(shape, measure_activations(shape, CPS))
-    result["activations"] = acts
-    warmup, steps = 3, 10
-    ms = measure_steps(shape, (1, 2), warmup, steps)
-    result["step"] = {
-        "what": "forward+loss, backward, grad sync over CP, optimizer step (no data loader)",
-        "warmup_steps": warmup,
-        "timed_steps": steps,
-        "cp1_ms": ms[1],
-        "cp1_processes": 1,
-        "cp2_ms": ms[2],
-        "cp2_processes": 2,
-        "cp2_over_cp1": round(ms[2] / ms[1], 3),
-        "note": "2 processes on 2 shared cores at CP 2 against 1 at CP 1: a figure, not a claim",
-    }
-    checks = activation_checks(acts, CPS)
+        }
+        acts = activation_figures(shape, measure_activations(shape, CPS))
+        result["activations"] = acts
+        warmup, steps = 3, 10
+        ms = measure_steps(shape, (1, 2), warmup, steps)
+        result["step"] = {
+            "what": "forward+loss, backward, grad sync over CP, optimizer step (no data loader)",
+            "warmup_steps": warmup,
+            "timed_steps": steps,
+            "cp1_ms": ms[1],
+            "cp1_processes": 1,
+            "cp2_ms": ms[2],
+            "cp2_processes": 2,
+            "cp2_over_cp1": round(ms[2] / ms[1], 3),
+            "note": "2 processes on 2 shared cores at CP 2, 1 at CP 1: a figure, not a claim",
+        }
+        checks.update(activation_checks(acts, CPS))
+    attention = attention_figures(AttnShape(seq=args.attention_seq), reps=args.attention_reps)
+    result["attention"] = attention
+    checks.update(attention_checks(attention))
     result["checks"] = checks
     result["pass"] = all(checks.values())
     result["seconds"] = round(time.perf_counter() - start, 1)

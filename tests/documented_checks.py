@@ -239,6 +239,9 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "parallel.context_parallel_size=4 model.recompute=full": Run(),
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
     "--gpu-memory-gb 80 model.seq_length=131072 model.max_position_embeddings=131072 "
+    "parallel.context_parallel_size=4 model.recompute=full": Run(),
+    "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 8 "
+    "--gpu-memory-gb 80 model.seq_length=131072 model.max_position_embeddings=131072 "
     "parallel.tensor_parallel_size=8 model.recompute=full": Run(),
     "python pretrain_gpt.py --config configs/llama3_8b.yaml --dry-run --world-size 64 "
     "--gpu-memory-gb 80 model.seq_length=32768 model.max_position_embeddings=32768 "

@@ -4,8 +4,9 @@ CP c gives each rank s/c of every sample's tokens: every activation term falls a
 global batch, and layer bytes at (s, c) are those at (s/c, 1). Against the real ring
 (megatron/parallel/context_parallel.py, two gloo processes): one layer's saved bytes exactly,
 and its transient peak in backward within 6%. Ring attention's transient buffers are the K/V
-and dK/dV messages and query-sized buffers (1/c) and the fp32 score blocks (1/c^2), counted once
-in the total. The distributed optimizer shards over DP x CP. At CP 1 every figure is today's.
+and dK/dV messages, query-sized buffers and one fused-kernel pair's outputs, all 1/c (no score
+block: nothing grows as (s/c)^2), counted once in the total. The distributed optimizer
+shards over DP x CP. At CP 1 every figure is today's.
 The dry run names CP in its layout line and states the longest seq_length that fits; a
 seq_length not divisible by 2c, or a world not divisible by tp * cp * pp, is one line and exit
 code 2.
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.config.load import load_config, parse_args
 from megatron.errors import ConfigError
 from megatron.estimate.activations import (
-    RING_SCORE_BLOCKS,
+    CPU_KERNEL_TILES,
     layer_activation_bytes,
     ring_attention_bytes,
 )
@@ -86,9 +87,10 @@ def test_activations_fall_as_one_over_cp(path, overrides, cp):
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_ring_buffers(cp):
     """Two K/V messages [2, b, g/t, s/c, d] in bf16, fp32 dK/dV accumulators of that shape (2
-    at CP 2, else 4), four fp32 [b, a/t, s/c, d] buffers and delta, and RING_SCORE_BLOCKS fp32
-    blocks [b, a/t, s/2c, s/2c]; none at CP 1. The total counts them once, on top of the
-    rest; at twice the CP the messages and buffers halve, the scores quarter."""
+    at CP 2, else 4), the fp32 dq [b, a/t, s/c, d] and four fp32 row statistics [b, a/t, s/2c],
+    and one pair's kernel outputs (dq, dk, dv; on CUDA, with g < a, four per-head [b, s/2c,
+    a/t, d] copies too); none at CP 1. The total counts them once, on top of the rest; at twice
+    the CP everything halves but the dK/dV accumulators from CP 2 to 4 (2 become 4)."""
     cfg = _at(LLAMA, LONG, cp, "training.micro_batch_size=2")
     m, tp, b = cfg.model, 2, 2
     s, g, a, d = m.seq_length // cp, m.query_groups // tp, m.num_attention_heads // tp, m.head_dim
@@ -99,16 +101,19 @@ def test_ring_buffers(cp):
         return
     message = 2 * b * g * s * d
     assert ring.kv == 2 * message * 2 and ring.dkv == (2 if cp == 2 else 4) * message * 4
-    assert ring.working == 4 * b * a * s * (4 * d + 1)
-    assert ring.scores == RING_SCORE_BLOCKS * 4 * b * a * (s // 2) ** 2
-    assert mem.ring_attention == ring.kv + ring.dkv + ring.working + ring.scores
+    assert ring.working == 4 * b * a * (s * d + 4 * (s // 2))
+    assert ring.pair == 2 * b * (s // 2) * d * (a + 2 * g + 4 * a)
+    cpu = ring_attention_bytes(m, b, tp, 2, cp, device="cpu")
+    assert cpu.pair == 2 * b * (s // 2) * d * (a + 2 * g)
+    assert cpu.kernel == 2 * b * a * (s // 2) * d + CPU_KERNEL_TILES[2] and ring.kernel == 0
+    assert mem.ring_attention == ring.kv + ring.dkv + ring.working + ring.pair
     for recompute in (False, True):
         rest = mem.states + mem.embedding_grad + mem.logits
         rest += mem.activations_recompute if recompute else mem.activations_no_recompute
         assert mem.total_with(recompute) == rest + mem.ring_attention
     twice = ring_attention_bytes(m, b, tp, 2, 2 * cp)
-    assert (2 * twice.kv, 2 * twice.working, 4 * twice.scores) == (
-        ring.kv, ring.working, ring.scores
+    assert (2 * twice.kv, 2 * twice.working, 2 * twice.pair) == (
+        ring.kv, ring.working, ring.pair
     )  # fmt: skip
     assert 2 * twice.dkv == (2 * ring.dkv if cp == 2 else ring.dkv)
 
@@ -224,11 +229,12 @@ def _ring_backward_peak(shape: tuple[int, int, int, int, int], dtype: torch.dtyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ring_buffers_bound_the_rings_backward(cp, dtype):
     """The transient peak of the real ring's backward, on every rank, within 6% of the
-    estimate's ring term (scores dominating, b=1, 8 heads in 2 groups, 512 local tokens)."""
+    estimate's ring term on CPU's kernel (b=1, 8 heads in 2 groups, 512 local tokens)."""
     shape = (1, 8, 2, 512, 16)
     model = tiny_model_config(num_attention_heads=8, num_query_groups=2, hidden_size=128,
                               seq_length=512 * cp, max_position_embeddings=512 * cp)  # fmt: skip
-    want = ring_attention_bytes(model, 1, 1, 2 if dtype == torch.bfloat16 else 4, cp).total
+    ring = ring_attention_bytes(model, 1, 1, 2 if dtype == torch.bfloat16 else 4, cp, "cpu")
+    want = ring.total - ring.kernel  # the kernel's own workspace is no tensor: not seen here
     for peak in run_distributed(_ring_backward_peak, cp, shape, dtype, cp):
         assert abs(want - peak) <= 0.06 * peak, (want, peak)
 
@@ -331,12 +337,14 @@ def test_dry_run_states_the_longest_seq_length_that_fits():
 
 
 def test_dry_run_hints_a_larger_cp():
-    """131072 tokens at TP 2 on 64 GPUs with every other switch on: CP 8 is the first size that
-    fits (CP 2 and 4 do not; 3, 5, 6, 7 do not divide the world)."""
-    rc, text = _dry("--config", LLAMA, "--world-size", "64", "--gpu-memory-gb", "80",
-                    "model.seq_length=131072", "model.max_position_embeddings=131072",
-                    "model.recompute=full")  # fmt: skip
-    assert rc == 1 and "hint: parallel.context_parallel_size=8 fits (DP 4)" in text
+    """524288 tokens at TP 2 on 64 GPUs with every other switch on: CP 8 is the first size that
+    fits (CP 2 and 4 do not; 3, 5, 6, 7 do not divide the world). With fused kernels in the
+    ring (no score blocks) 131072 tokens fit at CP 2 already."""
+    for seq, cp, dp in ((524288, 8, 4), (131072, 2, 16)):
+        rc, text = _dry("--config", LLAMA, "--world-size", "64", "--gpu-memory-gb", "80",
+                        f"model.seq_length={seq}", f"model.max_position_embeddings={seq}",
+                        "model.recompute=full")  # fmt: skip
+        assert rc == 1 and f"hint: parallel.context_parallel_size={cp} fits (DP {dp})" in text
 
 
 def _entrypoint(*args: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import pytest
 from megatron.estimate.device_peaks import bf16_peak_tflops, mfu
 from tests.gpt_run import ROOT
 
-STEPS = ["tests", "gpt_bf16", "fp16_loss_scale", "sdpa"]
+STEPS = ["tests", "gpt_bf16", "fp16_loss_scale", "sdpa", "ring_attention"]
 
 
 def test_device_peaks_match_the_most_specific_name():
@@ -57,6 +57,10 @@ def test_dry_run_writes_every_step(tmp_path):
     assert sdpa["backends"]["gpt_causal"]["MATH"] == "ok"
     assert sdpa["backends"]["bert_padding_mask"]["MATH"] == "ok"
     assert all(any("scaled_dot_product" in k for k in ran) for ran in sdpa["ran"].values())
+    ring = records["ring_attention"]["figures"]
+    assert ring["kernel"] == "_scaled_dot_product_flash_attention_for_cpu"
+    assert ring["shape"]["cp"] == 2 and ring["fwd_bwd_ms"] > 0
+    assert ring["max_error"] < 2e-2  # bf16 against bf16 SDPA over the whole sequence
 
 
 def test_a_missing_package_is_one_line_before_any_step(tmp_path):

@@ -83,11 +83,12 @@ logits (BERT's head runs on all b*n masked slots on every CP rank, the other ran
 Ring attention saves what the fused kernel saves (q, k, v, its output and the fp32
 log-sum-exp, of the local tokens), so the per-layer count is the fused one at s/c: its output
 is laid out [b, s/c, a/t, d] in memory, so the dense layer's input is a view of it. It never
-materialises the probabilities (no unfused extra). Its transient buffers, one layer's at a
-time and counted once in the total (``ring_attention_bytes``): two K/V messages
-[2, b, g/t, s/c, d] in flight, fp32 dK/dV accumulators of that shape, fp32 query-sized buffers
-(dq and others) and ``RING_SCORE_BLOCKS`` fp32 score blocks [b, a/t, s/2c, s/2c], which grow as
-(s/c)^2 and dominate at long sequences. Weights, gradients and (but for the distributed
+materialises the probabilities or any score block (each pair of chunks runs a fused kernel).
+Its transient buffers, one layer's at a time and counted once in the total
+(``ring_attention_bytes``): two K/V messages [2, b, g/t, s/c, d] in flight, fp32 dK/dV
+accumulators of that shape, the fp32 dq [b, a/t, s/c, d] and row statistics, and one pair's
+kernel outputs (and on CUDA its per-head k/v copies): all linear in s/c.
+Weights, gradients and (but for the distributed
 optimizer's shards) optimizer state are replicated over CP.
 """
 
@@ -97,11 +98,6 @@ from typing import NamedTuple
 
 from megatron.config.model import ModelConfig
 from megatron.estimate.parameters import fc1_width, projections
-
-# fp32 score blocks [b, a/t, s/2c, s/2c] ring attention's backward holds at its peak: it works
-# pair by pair (dropping each pair's before the next), and a pair holds its probabilities p,
-# their gradient dp, dp - delta and the scores' gradient ds.
-RING_SCORE_BLOCKS = 4
 
 
 def norm_stats(model: ModelConfig) -> int:
@@ -256,34 +252,58 @@ class RingBuffers(NamedTuple):
 
     kv: int  # 2 K/V messages [2, b, g/t, s/c, d], model dtype: the one in hand, the one arriving
     dkv: int  # fp32 dK/dV accumulators of that shape: 2 at CP 2, else 4
-    working: int  # fp32 [b, a/t, s/c, d] buffers (dq, a pair's products, 16-bit q/dout copies)
-    scores: int  # RING_SCORE_BLOCKS fp32 blocks [b, a/t, s/2c, s/2c]
+    working: int  # fp32 dq [b, a/t, s/c, d] and fp32 row statistics [b, a/t, s/2c]
+    pair: int  # one pair's kernel call: its dq, dk, dv (model dtype), CUDA's per-head k/v copies
+    kernel: int = 0  # the backward kernel's private workspace, where measured (CPU)
 
     @property
     def total(self) -> int:
-        return self.kv + self.dkv + self.working + self.scores
+        return self.kv + self.dkv + self.working + self.pair + self.kernel
+
+
+# The CPU flash kernel's backward workspace beyond a q-sized block in the model dtype: per-thread
+# tiles, measured (resident set, one thread) at 1.0 MiB in fp32 and 1.6 MiB in bf16, for pairs
+# of 1024 to 4096 rows, 4 to 8 heads, head_dim 64 and 128.
+CPU_KERNEL_TILES = {4: 1 << 20, 2: 1677722}
 
 
 def ring_attention_bytes(
-    model: ModelConfig, micro_batch_size: int, tp_size: int, elem_bytes: int, context_parallel: int
+    model: ModelConfig,
+    micro_batch_size: int,
+    tp_size: int,
+    elem_bytes: int,
+    context_parallel: int,
+    device: str = "cuda",
 ) -> RingBuffers:
     """What one layer's ring attention (megatron/parallel/context_parallel.py) holds besides its
-    saved tensors, at its peak, the backward, at CP c > 1 (nothing at c = 1).
+    saved tensors, at its peak, the backward, at CP c > 1 (nothing at c = 1), on ``device``'s
+    kernel (megatron/parallel/attention_kernels.py). No term grows as (s/c)^2: every pair runs a
+    fused kernel that tiles its scores.
 
     A message packs k and v, [2, b, g/t, s/c, d] in the model dtype; two are alive (the block
     computed on and the one arriving). Each block's dK/dV accumulator is fp32 of that shape: the
     rank's own, the one being filled, and from CP 3 on the one being sent and the one being
-    received. The fp32 [b, a/t, s/c, d] buffers: dq, one pair's two matmul products (one in all)
-    and, with a 16-bit dtype, q's and dout's fp32 copies; plus delta, fp32 [b, a/t, s/c]. The
-    scores: ``RING_SCORE_BLOCKS`` fp32 blocks [b, a/t, s/2c, s/2c].
+    received. Working: the fp32 dq accumulator [b, a/t, s/c, d] and fp32 row statistics [b,
+    a/t, s/2c] (the lse rows handed to the kernel and the kernel's own: two measured on CPU in
+    fp32, four with a 16-bit dtype; CUDA's padded lse counted as four). One pair's call: its dq
+    [b, a/t, s/2c, d] and its dk, dv [b, g/t, s/2c, d] in the model dtype; on CUDA, where the
+    memory-efficient kernel reads k and v per head, the per-head copies of k and v and the
+    per-head dk, dv before they are summed to groups, four [b, s/2c, a/t, d] (unless g = a).
+    The backward kernel's private workspace, which no tensor shows: on CPU, measured, a block
+    of the pair's q size [b, a/t, s/2c, d] in the model dtype plus ``CPU_KERNEL_TILES`` (one
+    thread); on CUDA not measured here and not counted.
     """
     if context_parallel == 1:
         return RingBuffers(0, 0, 0, 0)
     s, b, d = model.seq_length // context_parallel, micro_batch_size, model.head_dim
-    heads = model.num_attention_heads // tp_size
-    message = 2 * b * (model.query_groups // tp_size) * s * d
+    heads, groups = model.num_attention_heads // tp_size, model.query_groups // tp_size
+    message = 2 * b * groups * s * d
     accumulators = 2 if context_parallel == 2 else 4
-    queries = 2 + 2 * (elem_bytes != 4)
-    working = 4 * b * heads * s * (queries * d + 1)
-    scores = RING_SCORE_BLOCKS * 4 * b * heads * (s // 2) ** 2
-    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, scores)
+    rows = 2 if elem_bytes == 4 and device == "cpu" else 4
+    working = 4 * b * heads * (s * d + rows * (s // 2))
+    per_head = 4 * heads if device == "cuda" and groups != heads else 0
+    pair = elem_bytes * b * (s // 2) * d * (heads + 2 * groups + per_head)
+    kernel = 0
+    if device == "cpu":
+        kernel = elem_bytes * b * heads * (s // 2) * d + CPU_KERNEL_TILES.get(elem_bytes, 1 << 20)
+    return RingBuffers(2 * message * elem_bytes, accumulators * message * 4, working, pair, kernel)

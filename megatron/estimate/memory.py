@@ -91,7 +91,8 @@ class MemoryEstimate:
     params: ParamCount  # the parameters of the stage, which its weights and states follow
     stage: int = 0  # the pipeline stage these bytes are for
     in_flight: int = 1  # micro-batch chunks whose activations the stage holds at its peak
-    # CP > 1: ring attention's K/V messages, dK/dV accumulators and scores, one layer's, transient
+    # CP > 1: ring attention's K/V messages, dK/dV accumulators and kernel buffers (one
+    # layer's, transient)
     ring_attention: int = 0
     expert_bias: int = 0  # MoE: the routers' fp32 expert_bias buffers [E] of the stage's layers
     moe_dispatch: int = 0  # MoE: one layer's dispatch buffers (two [T*k, h]), transient

@@ -30,7 +30,7 @@ from megatron.config.schema import Config, weighted_paths
 from megatron.data.indexed_dataset import data_path, index_path
 from megatron.data.sidecar import check_data_tokenizer
 from megatron.errors import ConfigError
-from megatron.estimate.activations import RING_SCORE_BLOCKS, ring_attention_bytes
+from megatron.estimate.activations import ring_attention_bytes
 from megatron.estimate.checkpoint_size import checkpoint_bytes
 from megatron.estimate.longest_sequence import longest_seq_length, seq_granularity
 from megatron.estimate.memory import (
@@ -146,9 +146,10 @@ def _report_memory(
             " output [b, a/t, s/cp, d] is\n    copied for the dense layer: + e*a*d/t per token)."
             " Its buffers, one layer at a\n    time, in backward: K/V messages"
             f" [2, b, g/t, s/cp, d] {ring.kv / GIB:.2f} GiB, fp32 dK/dV\n    accumulators"
-            f" {ring.dkv / GIB:.2f} GiB, fp32 dq and copies {ring.working / GIB:.2f} GiB, fp32"
-            f" scores\n    [b, a/t, s/2cp, s/2cp] x {RING_SCORE_BLOCKS}"
-            f" {ring.scores / GIB:.2f} GiB; the totals count them once.\n"
+            f" {ring.dkv / GIB:.2f} GiB, fp32 dq and row statistics {ring.working / GIB:.2f}"
+            f" GiB,\n    one pair's fused-kernel call {ring.pair / GIB:.2f} GiB (no score"
+            " blocks; the CUDA kernel's own\n    workspace is not measured, not counted); the"
+            " totals count them once.\n"
         )
     if moe:
         out.write(

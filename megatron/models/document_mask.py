@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron.parallel.context_parallel import Runs, document_runs
+
 try:  # torch >= 2.5; older builds keep the dense mask everywhere
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - depends on the installed torch
@@ -39,6 +41,12 @@ class RingMask:
 
     causal: bool
     document_ids: Tensor | None = None
+
+    @functools.cached_property
+    def runs(self) -> Runs | None:
+        """The documents' runs ring attention calls its kernels on, found once per forward
+        pass (one host copy of the ids) for every layer."""
+        return None if self.document_ids is None else document_runs(self.document_ids)
 
 
 def uses_flex(device: torch.device, dropout: float) -> bool:

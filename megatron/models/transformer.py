@@ -145,7 +145,9 @@ class ParallelAttention(nn.Module):
             k, v = kv_cache.append(self.kv_slot, k, v)  # [b, groups_pp, cached + s, head_dim]
         dropout = self.dropout if self.training else 0.0
         if isinstance(attn_mask, RingMask):  # the config checks refuse dropout with CP
-            ctx = ring_attention(q, k, v, self.ring, attn_mask.causal, attn_mask.document_ids)
+            ctx = ring_attention(
+                q, k, v, self.ring, attn_mask.causal, attn_mask.document_ids, attn_mask.runs
+            )
         elif dropout == 0.0:
             # Nothing is drawn, so the RNG fork is skipped: it swaps generator states, which
             # torch.compile cannot trace (a graph break mid-layer).

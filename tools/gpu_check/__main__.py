@@ -1,8 +1,9 @@
 """``python -m tools.gpu_check [--dry] [--out DIR]``: every step of the GPU check, then a summary.
 
 Files under DIR: ``tests.json``, ``gpt_bf16.json``, ``fp16_loss_scale.json``, ``sdpa.json``,
-``summary.json`` and ``gpu_check.log`` (every subprocess's output): six, under the device tool's
-eight-file limit. Scratch data and runs go to a temporary directory that is removed at the end.
+``ring_attention.json``, ``summary.json`` and ``gpu_check.log`` (every subprocess's output):
+seven, under the device tool's eight-file limit. Scratch data and runs go to a temporary
+directory that is removed at the end.
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from tools.gpu_check.runner import Deadline, Step, run_command, run_steps
 from tools.gpu_check.unit_tests import run_tests
 
 # The whole check must end within 8 minutes on one GPU; each step's share leaves ~30 s for
-# start-up and the synthetic data.
+# start-up and the synthetic data. The shares add up to 460: ring_attention, last, gets what
+# the deadline leaves of its 30 s if every step before it uses all of its own.
 TOTAL_SECONDS = 450
-STEP_SECONDS = {"tests": 100, "gpt_bf16": 170, "fp16_loss_scale": 100, "sdpa": 60}
+STEP_SECONDS = {
+    "tests": 100,
+    "gpt_bf16": 170,
+    "fp16_loss_scale": 100,
+    "sdpa": 60,
+    "ring_attention": 30,
+}
 
 
 def build_steps(plan: Plan, scratch: Path, log: Path) -> list[Step]:
-    """The four steps over one synthetic dataset in ``scratch``."""
+    """The five steps (the first three over one synthetic dataset in ``scratch``)."""
     data = write_null_dataset(str(scratch / "ids"), plan.vocab_size, plan.data_tokens, seed=0)
 
     def gpt_bf16(timeout: float) -> dict:
@@ -47,10 +55,21 @@ def build_steps(plan: Plan, scratch: Path, log: Path) -> list[Step]:
         cmd = [sys.executable, "-m", "tools.gpu_check.sdpa", *shape]
         return json.loads(run_command(cmd, timeout, log, cwd=ROOT).splitlines()[-1])
 
+    def ring_attention(timeout: float) -> dict:
+        shape = [f"--{k.replace('_', '-')}={v}" for k, v in plan.ring_shape.items()]
+        cmd = [sys.executable, "-m", "tools.gpu_check.ring_attention", *shape]
+        return json.loads(run_command(cmd, timeout, log, cwd=ROOT).splitlines()[-1])
+
     def tests(timeout: float) -> dict:
         return run_tests(plan.test_device, scratch, timeout, log)
 
-    named = {"tests": tests, "gpt_bf16": gpt_bf16, "fp16_loss_scale": fp16, "sdpa": sdpa}
+    named = {
+        "tests": tests,
+        "gpt_bf16": gpt_bf16,
+        "fp16_loss_scale": fp16,
+        "sdpa": sdpa,
+        "ring_attention": ring_attention,
+    }
     return [Step(name, STEP_SECONDS[name], fn) for name, fn in named.items()]
 
 

@@ -19,6 +19,7 @@ class Plan:
     fp16_config: str
     fp16_overrides: dict[str, object]
     sdpa_shape: dict[str, int]  # batch, heads, seq, head_dim of the attention probes
+    ring_shape: dict[str, int]  # batch, heads, groups, seq, head_dim of one CP 2 rank's share
 
 
 # GPT 1.2B of the paper's Table 1 (40 layers, hidden 1536, seq 1024, full recomputation) on one
@@ -49,6 +50,9 @@ GPU = Plan(
         "logging.log_interval": 1,
     },
     sdpa_shape={"batch": 8, "heads": 16, "seq": 1024, "head_dim": 96},
+    # Llama 3 8B's attention at TP 1 (32 heads in 8 groups of 128) at 64K tokens: rank 0 of CP 2
+    # holds 32K of them, in pairs of 16K-token chunks.
+    ring_shape={"batch": 1, "heads": 32, "groups": 8, "seq": 65536, "head_dim": 128},
 )
 
 _TINY = {
@@ -80,4 +84,5 @@ DRY = Plan(
         "logging.log_interval": 1,
     },
     sdpa_shape={"batch": 2, "heads": 4, "seq": 64, "head_dim": 16},
+    ring_shape={"batch": 2, "heads": 4, "groups": 2, "seq": 256, "head_dim": 16},
 )
