@@ -109,10 +109,19 @@ def throughput(
         "peak_memory_of": "cuda max_memory_allocated" if cuda else "process max RSS",
         "estimated_memory_gib": estimate.total / GIB,
         "lm_loss": [e["lm_loss"] for e in lines],
-        "step_time_model": predict(
-            config, args, seconds * 1000, dry, deadline - time.monotonic(), log
-        ),
+        "step_time_model": _calibrated(config, args, seconds * 1000, dry, deadline, log),
     }
+
+
+def _calibrated(
+    config: str, args: list[str], measured_ms: float, dry: bool, deadline: float, log: Path
+) -> dict[str, Any]:
+    """``calibration.predict``, or why it did not finish: the throughput measured above is
+    this step's figure and stands without it."""
+    try:
+        return predict(config, args, measured_ms, dry, deadline - time.monotonic(), log)
+    except (RuntimeError, OSError, ValueError) as e:
+        return {"failed": f"{type(e).__name__}: {str(e)[-500:]}"}
 
 
 def loss_scaling(
