@@ -134,8 +134,11 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, gpt_data, unbroken
                                            "checkpoint.save": tmp_path / "ck"})  # fmt: skip
     job = submit(slurm, tmp_path, GPT, [CONFIG, *args], "--time=1", "--signal=B:USR1@15",
                  PYTHON=str(python), REQUEUE="1")  # fmt: skip
-    wait_job(slurm, job, 120, until=lambda f: f["Restarts"] == "1" or f["JobState"] in FINAL)
-    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
+    fields = wait_job(
+        slurm, job, 120, until=lambda f: f["Restarts"] == "1" or f["JobState"] in FINAL
+    )
+    if fields["JobState"] not in FINAL:  # else TIMEOUT: the warning did not stop it
+        slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=5")
     fields = wait_job(slurm, job, 120)
     text = job_log(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
