@@ -95,6 +95,10 @@ done
     "scancel": r"""#!/bin/bash
 echo "$*" >> "$STUB_LOG/scancel.calls"
 [[ $1 == --signal=* && $2 == "$SLURM_JOB_ID".* ]] || { echo "stub scancel: $*?" >&2; exit 1; }
+if [[ -n ${STUB_SCANCEL_REFUSE:-} ]]; then  # as for a step SLURM is tearing down
+    echo "scancel: error: Kill job error on job step id $2: Invalid job id specified" >&2
+    exit 1
+fi
 pids=$(step-pids "${2#*.}") || { echo "scancel: error: Invalid job id $2" >&2; exit 1; }
 kill -s "${1#--signal=}" $pids
 """,
