@@ -66,8 +66,13 @@ NODE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=
 PARTITION = "PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP\n"
 
 
+def _daemon(name: str) -> str | None:
+    """Its path: on PATH, or in /usr/sbin where Debian puts the daemons (not on every PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
 def installed() -> bool:
-    return all(shutil.which(name) for name in DAEMONS)
+    return all(_daemon(name) for name in DAEMONS)
 
 
 @dataclass
@@ -81,7 +86,7 @@ class Cluster:
 
     def start_node(self, name: str) -> None:
         """``slurmd -N name``; SLURM returns a node that was down to service (ReturnToService=2)."""
-        subprocess.run(["slurmd", "-N", name], check=True, env=self.env, timeout=30)
+        subprocess.run([_daemon("slurmd"), "-N", name], check=True, env=self.env, timeout=30)
         self.nodes[name] = _pid_from(self.dir / f"slurmd-{name}.pid")
 
     def lose_node(self, name: str) -> None:
@@ -203,13 +208,13 @@ def start(root: Path) -> Cluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         subprocess.run(
-            ["munged", f"--key-file={key}", f"--socket={root}/munge.sock",
+            [_daemon("munged"), f"--key-file={key}", f"--socket={root}/munge.sock",
              f"--pid-file={root}/munged.pid", f"--log-file={root}/log/munged.log",
              f"--seed-file={root}/munged.seed", "--force"],
             check=True, env=env, timeout=30,
         )  # fmt: skip
         cluster.pids.append(_pid_from(root / "munged.pid"))
-        subprocess.run(["slurmctld", "-i"], check=True, env=env, timeout=30)
+        subprocess.run([_daemon("slurmctld"), "-i"], check=True, env=env, timeout=30)
         cluster.pids.append(_pid_from(root / "slurmctld.pid"))
         for name in NODES:
             cluster.start_node(name)
