@@ -46,8 +46,10 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
         "the install needs the package index (CI installed the same and more); the demo as "
         "written, shortened",
     ),
-    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -r requirements-dev.txt && "
-    ".venv/bin/python -m pytest -q -n 2 --dist loadfile": Skip(
+    '(command -v slurmctld >/dev/null || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null '
+    "|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm "
+    "munge >/dev/null; }) && python3 -m venv .venv && .venv/bin/pip install -q --no-compile -r "
+    "requirements-dev.txt && .venv/bin/python -m pytest -q -n 2 --dist loadfile": Skip(
         "the test command: CI runs exactly this"
     ),
     "python -m megatron.launch.torchrun --standalone --nproc-per-node 8 "
@@ -180,6 +182,17 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     "configs/gpt_8.3b.yaml": Instead(
         "LAUNCHER=srun bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_8.3b.yaml",
         "a SLURM cluster: the script's dry mode, one task per GPU",
+    ),
+    "apt-get install -y slurm-wlm munge": Skip(
+        "root and the package index; the README's test command installs the same where it can"
+    ),
+    "python3 -m tests.slurm_cluster /tmp/slurm-test": Skip(
+        "starts daemons as root; tests/test_slurm_real.py's fixture runs the same start()"
+    ),
+    "export SLURM_CONF=/tmp/slurm-test/slurm.conf": Skip("a shell setting for the next commands"),
+    "GPUS_PER_NODE=1 sbatch --nodes=2 --gpus-per-node=0 scripts/slurm/pretrain_gpt.sbatch "
+    "configs/gpt_tiny.yaml": Covered(
+        "tests/test_slurm_real.py::test_two_node_tp_equals_one_node"  # the same, on test data
     ),
     "bash scripts/slurm/pretrain_gpt.sbatch --help": Run(),
     "bash scripts/slurm/pretrain_gpt.sbatch --dry configs/gpt_tiny.yaml": Run(),

@@ -5,8 +5,9 @@ command as one local task of a job step, the way srun does: the step gets the ne
 the job, squeue lists it under its --job-name, scancel --signal reaches every process of it (the
 task and its descendants, as the step's cgroup holds them: torchrun's workers too, though they
 run in sessions of their own), and a SIGTERM to srun itself becomes SIGKILL for the step's
-processes ("forcing job termination"). The stub scontrol expands any node list to $STUB_HOSTS and
-records `requeue`. The scripts' real Python reads the config.
+processes ("forcing job termination"). The stub scontrol expands any node list to $STUB_HOSTS,
+shows a node's NodeAddr (its name, or its address in $STUB_ADDRS, as `NodeName=n1
+NodeAddr=127.0.0.1`) and records `requeue`. The scripts' real Python reads the config.
 Both sbatch files exec the shared scripts/slurm/launch.sh, so each test of the GPT file covers
 the BERT file's launch too; the BERT tests check only what differs (the entrypoint).
 
@@ -94,12 +95,21 @@ done
     "scancel": r"""#!/bin/bash
 echo "$*" >> "$STUB_LOG/scancel.calls"
 [[ $1 == --signal=* && $2 == "$SLURM_JOB_ID".* ]] || { echo "stub scancel: $*?" >&2; exit 1; }
+if [[ -n ${STUB_SCANCEL_REFUSE:-} ]]; then  # as for a step SLURM is tearing down
+    echo "scancel: error: Kill job error on job step id $2: Invalid job id specified" >&2
+    exit 1
+fi
 pids=$(step-pids "${2#*.}") || { echo "scancel: error: Invalid job id $2" >&2; exit 1; }
 kill -s "${1#--signal=}" $pids
 """,
     "scontrol": r"""#!/bin/bash
 echo "$*" >> "$STUB_LOG/scontrol.calls"
 if [[ $1 == show && $2 == hostnames ]]; then printf '%s\n' $STUB_HOSTS; fi
+if [[ $1 == show && $2 == node && $3 == -o ]]; then  # NodeAddr from STUB_ADDRS (name=addr ...)
+    addr=$4
+    for pair in ${STUB_ADDRS:-}; do [[ ${pair%%=*} == "$4" ]] && addr=${pair#*=}; done
+    echo "NodeName=$4 Arch=x86_64 CPUTot=32 NodeAddr=$addr NodeHostName=$4 State=ALLOCATED"
+fi
 """,
     "nvidia-smi": "#!/bin/bash\necho 'stub nvidia-smi: no GPUs here'\n",
 }

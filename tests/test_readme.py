@@ -24,3 +24,11 @@ def regenerate() -> None:
     marker, tail = rest.split(END, 1)
     marker = marker.split("-->", 1)[0] + "-->"
     README.write_text(f"{head}{START}{marker}\n{config_reference()}\n{END}{tail}")
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run is the README's test command (SLURM's guarded install included), nothing else."""
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    command = [line for line in ci if line and not line.startswith("#")][-1]
+    assert command in README.read_text().splitlines()
+    assert "pytest" in command and "slurm-wlm munge" in command

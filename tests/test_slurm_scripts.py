@@ -98,7 +98,8 @@ def test_gpt_torchrun_per_node(fake, tmp_path):
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend) == ("2", "4", "c10d")
     assert parsed.training_script == "pretrain_gpt.py"
     assert parsed.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"
-    assert (log / "scontrol.calls").read_text() == "show hostnames node[07-08]\n"
+    calls = (log / "scontrol.calls").read_text().splitlines()
+    assert calls == ["show hostnames node[07-08]", "show node -o node07"]  # its NodeAddr
     for logged in ("torch ", "stub nvidia-smi", "== pip freeze", "SLURM_JOB_ID=4242"):
         assert logged in result.stdout
     assert "resuming" not in result.stdout
@@ -128,10 +129,12 @@ def test_resume_from_the_save_directory(fake, tmp_path):
 
 
 def test_srun_one_task_per_gpu(fake, tmp_path):
-    """Also the NCCL defaults: tear down on a failed collective, dumps into the job's logs/."""
+    """Also the NCCL defaults: tear down on a failed collective, dumps into the job's logs/; and
+    the rendezvous host by its NodeAddr, since a node's name need not resolve (it did not on the
+    real cluster of tests/test_slurm_real.py: `slurmd -N n1` with NodeAddr=127.0.0.1)."""
     env, log = fake
     del env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
-    env.update(LAUNCHER="srun", SLURM_SUBMIT_DIR=str(tmp_path))  # where logs/ goes
+    env.update(LAUNCHER="srun", SLURM_SUBMIT_DIR=str(tmp_path), STUB_ADDRS="node07=10.1.0.7")
     for name in ("megatron", "configs", "scripts", "pretrain_gpt.py"):
         (tmp_path / name).symlink_to(ROOT / name)
     inputs = small_inputs(tmp_path)
@@ -145,7 +148,7 @@ def test_srun_one_task_per_gpu(fake, tmp_path):
         NO_SAVE,
     ]  # fmt: skip
     step_env = dict(kv.split("=", 1) for kv in (log / "srun.env").read_text().split("\0") if kv)
-    assert "RANK" not in step_env and step_env["MASTER_ADDR"] == "node07"
+    assert "RANK" not in step_env and step_env["MASTER_ADDR"] == "10.1.0.7"
     assert step_env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert step_env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/logs/nccl_trace_4242_rank_"
     assert (tmp_path / "logs").is_dir()
@@ -154,7 +157,7 @@ def test_srun_one_task_per_gpu(fake, tmp_path):
                     "SLURM_NODEID": str(task // 4), "SLURM_NTASKS": "8"}  # fmt: skip
         assert launcher_env(task_env) == {
             "RANK": str(task), "WORLD_SIZE": "8", "LOCAL_RANK": str(task % 4),
-            "MASTER_ADDR": "node07", "MASTER_PORT": str(PORT),
+            "MASTER_ADDR": "10.1.0.7", "MASTER_PORT": str(PORT),
         }  # fmt: skip
 
 

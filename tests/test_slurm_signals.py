@@ -5,6 +5,7 @@ srun kills its tasks): the early warning, preemption and a stop without a checkp
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,3 +139,25 @@ def test_stop_without_a_checkpoint_is_not_requeued(fake, tmp_path):
     text = finish_job(proc, out)
     assert proc.returncode == 0 and "no checkpoint newer than the signal" in text, text
     assert "requeue" not in (log / "scontrol.calls").read_text()
+
+
+@pytest.mark.slow
+def test_a_step_that_refuses_the_signal_is_not_asked_again(fake, tmp_path):
+    """A step SLURM is tearing down is still listed by squeue, but scancel refuses it ("Invalid
+    job id specified", seen on the real cluster of tests/test_slurm_real.py when a node was lost):
+    the script asks once and waits for the step, where it used to ask again every second."""
+    env, log = fake
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    env = one_node(env, tmp_path, "srun", 1, ENTRYPOINT=str(probe), PROBE_WAIT="1",
+                   STUB_SCANCEL_REFUSE="1")  # fmt: skip
+    proc, out = start_job(env, tmp_path, "checkpoint.save=null")
+    wait_for([tmp_path / "rank0.json"], proc)
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(3)
+    task = int((log / "steps" / "0").read_text().split()[0])
+    os.kill(task, signal.SIGTERM)  # the step ends, as SLURM's teardown would end it
+    text = finish_job(proc, out)
+    assert proc.returncode == 0, text
+    assert (log / "scancel.calls").read_text() == "--signal=SIGTERM 4242.0\n"
+    assert "the step is ending; not signalled again" in text

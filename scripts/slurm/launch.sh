@@ -125,13 +125,16 @@ trap 'TRAPPED=1; on_stop SIGTERM' TERM
 
 # EXIT_SIGNAL to every process of this script's job step (never a signal to srun, which would
 # SIGKILL the tasks); sets SIGNALLED, or leaves it empty while SLURM does not list the step yet.
+# A listed step that scancel refuses is ending (SLURM is tearing it down: "Invalid job id
+# specified"): it is not asked again, or a stop during a teardown would print that every second.
 signal_step() {
     local step
     step=$(squeue --noheader --steps --jobs="$SLURM_JOB_ID" --format='%i %j' |
         awk -v name="$STEP_NAME" '$2 == name { id = $1 } END { print id }') || true
     if [[ -z $step ]]; then return; fi
     echo "== scancel --signal=$EXIT_SIGNAL $step"
-    if scancel --signal="$EXIT_SIGNAL" "$step"; then SIGNALLED=$step; fi
+    scancel --signal="$EXIT_SIGNAL" "$step" || echo "== the step is ending; not signalled again"
+    SIGNALLED=$step
 }
 
 ENTRYPOINT=${1:-} # given by the sbatch file
@@ -182,7 +185,14 @@ else # --dry outside a job: what a job would run, with this host as its first no
     HOSTS=localhost
     MASTER_PORT=${MASTER_PORT:-29500}
 fi
-MASTER_ADDR=${HOSTS%%$'\n'*}
+FIRST_HOST=${HOSTS%%$'\n'*}
+MASTER_ADDR=$FIRST_HOST
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    # The address SLURM itself reaches the first node at (its NodeAddr): a node's name need not
+    # resolve on the nodes (NodeName=gpu-a01 NodeAddr=10.1.2.3, or `slurmd -N` test nodes).
+    ADDR=$(scontrol show node -o "$FIRST_HOST" | grep -o ' NodeAddr=[^ ]*' | cut -d= -f2) || true
+    MASTER_ADDR=${ADDR:-$FIRST_HOST}
+fi
 export MASTER_ADDR MASTER_PORT
 # One CUDA hardware queue per process: kernels then start in the order they are issued, so the
 # column-parallel layers' input-gradient all-reduce, issued before their weight-gradient GEMM,
