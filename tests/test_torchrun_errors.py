@@ -131,3 +131,28 @@ def test_a_signal_is_named_and_128_plus_n(tmp_path):
     assert result.returncode == 128 + 9, result.stderr
     last = result.stderr.splitlines()[-1]
     assert last == f"error: {stub} rank 0 was killed by SIGKILL", last
+
+
+@pytest.mark.parametrize(
+    ("node", "conf", "expected"),
+    [("0", "", "is_host=1"), ("1", "", "is_host=0"), ("1", "timeout=9", "timeout=9,is_host=0"),
+     ("1", "is_host=1", "is_host=1"), (None, "", "")],
+)  # fmt: skip
+def test_under_slurm_the_first_node_hosts_the_rendezvous(monkeypatch, node, conf, expected):
+    """SLURM's node 0 hosts the c10d store, whatever the machines' addresses say; a given
+    is_host, no SLURM, and --standalone are left alone."""
+    from torch.distributed.run import parse_args
+
+    from megatron.launch.torchrun import _first_node_hosts
+
+    if node is None:
+        monkeypatch.delenv("SLURM_NODEID", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_NODEID", node)
+    given = ["--rdzv-conf", conf] if conf else []
+    args = parse_args(["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", *given, "x.py"])
+    _first_node_hosts(args)
+    assert args.rdzv_conf == expected
+    alone = parse_args(["--standalone", "x.py"])
+    _first_node_hosts(alone)
+    assert alone.rdzv_conf == ""

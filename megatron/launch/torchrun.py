@@ -82,6 +82,20 @@ def _message(name: str, rank: int, failure: ProcessFailure, restarts: int) -> st
     return line
 
 
+def _first_node_hosts(args) -> None:
+    """Under SLURM (a job step's ``SLURM_NODEID``), the first node's agent hosts the c10d
+    rendezvous store (``--rdzv-conf is_host``, unless given): torchrun's own guess matches the
+    endpoint against the machine's addresses, which several nodes can share (``slurmd -N``
+    nodes at one NodeAddr, containers), and then whichever agent starts first hosts it, on any
+    node, and a crash of that node takes every other rank's store with it."""
+    node = os.environ.get("SLURM_NODEID")
+    if node is None or args.standalone or args.rdzv_backend != "c10d":
+        return
+    if "is_host" not in args.rdzv_conf:
+        host = f"is_host={int(node == '0')}"
+        args.rdzv_conf = f"{args.rdzv_conf},{host}" if args.rdzv_conf else host
+
+
 def main(argv: list[str]) -> int:
     """torchrun with ``argv``; 0, or the root-cause worker's exit code after its one line."""
     # torchrun's own entry (@record) enables this too: Python stacks if the launcher crashes.
@@ -91,6 +105,7 @@ def main(argv: list[str]) -> int:
     agent_log.addFilter(lambda record: not str(record.msg).startswith("failed (exitcode"))
     os.environ[PRINTS_WORKER_ERRORS] = "1"
     args = parse_args(argv)
+    _first_node_hosts(args)
     try:
         run(args)
     except ChildFailedError as err:
