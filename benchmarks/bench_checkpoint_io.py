@@ -3,7 +3,8 @@
 One process (a world of one), one fp32 GPT whose AdamW moments a first step has populated: the
 state is its weights and both moments, ~1.2 GB at the default size (``--size-mb`` for smaller
 runs; 12 layers, hidden a multiple of 64, vocabulary 40 x hidden). Each round saves and loads it
-three ways, alternated (ours, torch, DCP, ours, ...), and the medians over ``--rounds`` are kept:
+three ways, alternated (ours, torch, DCP; the next round starts at torch, and so on), and the
+medians over ``--rounds`` are kept:
 
     ours   save_checkpoint / load_checkpoint, as the training loop runs them: XXH3-128 of every
            file taken while it is written, verified while it is read, meta.json, renames, fsyncs
@@ -165,8 +166,11 @@ def main() -> None:
 
         kinds = {"ours": ours, "torch": plain, "dcp": distributed}
         seconds: dict[str, dict[str, list[float]]] = {k: {"save": [], "load": []} for k in kinds}
+        order = list(kinds.items())
         for r in range(args.rounds):
-            for kind, make in kinds.items():
+            # Each kind goes first in turn: the first save of a round meets the disk's writeback
+            # of the round before.
+            for kind, make in order[r % len(order) :] + order[: r % len(order)]:
                 where = os.path.join(root, f"{kind}{r}")
                 save, load = make(where)
                 seconds[kind]["save"].append(timed(save))
