@@ -3,7 +3,8 @@
 Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput by size, copy
 bandwidth, an activation's forward and backward, and causal fused attention, of one thread,
 measured in one process alone and in two at once, since two processes on a shared 2-core
-machine get less than two cores; gloo's all-reduce bandwidth and latency between the two), then
+machine get less than two cores; gloo's all-reduce bandwidth and latency between the two, and
+its all-gather and reduce-scatter against the ring model), then
 runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
 vocab 512) at TP1 (one process), TP2, DP2, PP2, TP2 with sequence parallelism and DP2 with the
 distributed optimizer (two processes of one thread each), and sets the model's ms/iteration
@@ -34,6 +35,7 @@ from benchmarks.bench_pretrain import SHAPE as MODEL_SHAPE  # noqa: E402
 from megatron.config.load import load_config  # noqa: E402
 from megatron.estimate.calibrate import (  # noqa: E402
     attention_rate,
+    collective_factors,
     cpu_profile,
     elementwise_bandwidth,
     gemm_table,
@@ -77,17 +79,18 @@ def _measure(world: int) -> tuple:
     stream, elementwise = stream_bandwidth(cpu), elementwise_bandwidth(cpu)
     attention = attention_rate(cpu, torch.float32, ATTENTION_SHAPE)
     link = link_figures() if world > 1 else (1.0, 1.0)
-    return peak, table, stream, link, elementwise, attention
+    factors = collective_factors(link) if world > 1 else (1.0, 1.0)
+    return peak, table, stream, link, elementwise, attention, factors
 
 
 def calibrate(out: Path) -> dict[int, Path]:
     """Measure this machine with one process and with two; a profile for each, under ``out``."""
     one, two = run_distributed(_measure, 1, 1)[0], run_distributed(_measure, 2, 2)[0]
     paths = {}
-    for processes, (peak, table, stream, _, elementwise, attention) in ((1, one), (2, two)):
+    for processes, (peak, table, stream, _, elementwise, attention, _) in ((1, one), (2, two)):
         paths[processes] = out / f"this-cpu-{processes}.yaml"
-        name = f"this-cpu-{processes}"
-        profile = cpu_profile(name, peak, table, stream, two[3], elementwise, attention)
+        name, factors = f"this-cpu-{processes}", two[6]
+        profile = cpu_profile(name, peak, table, stream, two[3], elementwise, attention, factors)
         paths[processes].write_text(yaml.safe_dump(profile))
     return paths
 
@@ -127,6 +130,8 @@ def main() -> None:
             "attention_fraction_of_peak": round(c.attention_efficiency or 0.0, 3),
             "gloo_gb_per_s": round(c.intra_node_gb_per_s, 3),
             "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
+            "all_gather_factor": round(c.all_gather_factor, 2),
+            "reduce_scatter_factor": round(c.reduce_scatter_factor, 2),
         }
         for n, c in clusters.items()
     }

@@ -14,6 +14,7 @@ from megatron.errors import ConfigError
 from megatron.estimate.calibrate import (
     GEMM_SIDES,
     attention_rate,
+    collective_factors,
     cpu_profile,
     elementwise_bandwidth,
     gemm_table,
@@ -63,12 +64,29 @@ def test_slower_attention_and_activations_measured_slow_the_prediction(tmp_path)
     assert seconds(elementwise / 2, attention) > base and seconds(elementwise, attention / 2) > base
 
 
-def _link() -> tuple[float, float]:
+def _link() -> tuple[tuple[float, float], tuple[float, float]]:
     dist.init_process_group("gloo")
-    return link_figures()
+    link = link_figures()
+    return link, collective_factors(link)
 
 
 @pytest.mark.slow
-def test_the_link_is_measured_on_both_ranks_alike():
-    (bw0, lat0), (bw1, lat1) = run_distributed(_link, 2)
-    assert bw0 > 0 and bw1 > 0 and lat0 > 0 and lat1 > 0
+def test_the_link_is_measured_on_both_ranks_alike(tmp_path):
+    """Both ranks measure the link and the sequence-parallel collectives against it; a slower
+    all-gather measured makes a sequence-parallel step slower, and only that one."""
+    ((bw0, lat0), factors), ((bw1, lat1), _) = run_distributed(_link, 2)
+    assert bw0 > 0 and bw1 > 0 and lat0 > 0 and lat1 > 0 and min(factors) > 0
+    cfg = load_config(["configs/gpt_tiny.yaml"], ["precision.dtype=fp32"])
+    sequence = load_config(
+        ["configs/gpt_tiny.yaml"], ["precision.dtype=fp32", "parallel.sequence_parallel=true"]
+    )
+
+    def seconds(cfg, gather: float) -> float:
+        profile = cpu_profile("here", 1e11, [[1.0, 1.0]], 1e10, (bw0, lat0), None, None,
+                              (gather, factors[1]))  # fmt: skip
+        path = tmp_path / "here.yaml"
+        path.write_text(yaml.safe_dump(profile))
+        return step_time(cfg, 512, "gpt", 2, load_cluster(str(path))).seconds
+
+    assert seconds(sequence, 4 * factors[0]) > seconds(sequence, factors[0])
+    assert seconds(cfg, 4 * factors[0]) == seconds(cfg, factors[0])

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.config.dtypes import DTYPES
+from megatron.estimate.cluster import Link
+from megatron.estimate.collectives import all_gather
+from megatron.parallel.mappings import all_gather_seq, reduce_scatter_seq
 
 GEMM_SIDES = (32, 64, 128, 256, 512, 1024)  # square GEMMs of 2 * n^3 FLOPs
 STREAM_BYTES = 16 * 2**20
@@ -102,6 +105,20 @@ def link_figures(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     return factor * LARGE_BYTES / max(large - small, 1e-9), latency
 
 
+def collective_factors(link: tuple[float, float], group: dist.ProcessGroup | None = None):
+    """(all-gather, reduce-scatter): the time of each, as sequence parallelism runs them on a
+    1 MiB activation (megatron/parallel/mappings.py, reshapes included), over the ring model's
+    on ``link`` (``link_figures``'s); every rank of the group calls it."""
+
+    n, whole = dist.get_world_size(group), torch.zeros(1, 1024, 256)
+    part = whole[:, : 1024 // n].contiguous()
+    model = all_gather(whole.nbytes, n, Link(*link))
+    group = group or dist.group.WORLD
+    gather = _best_seconds(lambda: all_gather_seq(part, group), 15, dist.barrier)
+    scatter = _best_seconds(lambda: reduce_scatter_seq(whole, group), 15, dist.barrier)
+    return gather / model, scatter / model
+
+
 def cpu_profile(
     name: str,
     peak: float,
@@ -110,11 +127,13 @@ def cpu_profile(
     link: tuple[float, float],
     elementwise: float | None = None,
     attention: float | None = None,
+    factors: tuple[float, float] = (1.0, 1.0),
 ) -> dict:
     """A profile (the fields of megatron/estimate/cluster.py's Cluster) for processes of one
     thread on this machine: a node is its cores, every figure achievable as measured; the
     memory-bound kernels at ``elementwise`` bytes/s (else the copy's), fused attention at
-    ``attention`` FLOP/s (else a GEMM's rate)."""
+    ``attention`` FLOP/s (else a GEMM's rate), all-gathers and reduce-scatters at ``factors``
+    times the ring model (``collective_factors``)."""
     cores = os.cpu_count() or 1
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     bandwidth, latency = link
@@ -133,6 +152,8 @@ def cpu_profile(
         "inter_node_latency_us": latency * 1e6,
         "gemm_efficiency": table,
         "attention_efficiency": min(1.0, attention / peak) if attention else None,
+        "all_gather_factor": factors[0],
+        "reduce_scatter_factor": factors[1],
     }
 
 

@@ -2,7 +2,8 @@
 
 A profile is a YAML file (the shipped ones in megatron/estimate/clusters/, sources in their
 comments and in docs/performance_model.md); ``--cluster`` takes a shipped name or a path. Every
-field but ``attention_efficiency`` is required; bandwidths are each way, per GPU.
+field is required but the measured ones (``attention_efficiency``, the collectives' factors);
+bandwidths are each way, per GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters
 
 
 class Link(NamedTuple):
-    """A link's achievable bandwidth (bytes/s, each way, per GPU) and per-message latency (s)."""
+    """A link's achievable bandwidth (bytes/s, each way, per GPU) and per-message latency (s);
+    how much longer than the ring model its all-gathers and reduce-scatters take (measured)."""
 
     bandwidth: float
     latency: float
+    gather: float = 1.0
+    scatter: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class Cluster:
     # Fused attention's fraction of peak (its FLOPs counted as a full, unmasked product, as
     # flops.py counts them); optional, measured by a calibration: else a GEMM's of its size.
     attention_efficiency: float | None = None
+    # Measured time of an all-gather / a reduce-scatter over the ring model's at the same link
+    # (gloo's run well above it); optional: 1.
+    all_gather_factor: float = 1.0
+    reduce_scatter_factor: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype``; ConfigError when the profile has no figure for it."""
@@ -65,7 +73,8 @@ class Cluster:
             if crosses_nodes
             else (self.intra_node_gb_per_s, self.intra_node_latency_us)
         )
-        return Link(gb * 1e9 * self.link_efficiency, us * 1e-6)
+        factors = (self.all_gather_factor, self.reduce_scatter_factor)
+        return Link(gb * 1e9 * self.link_efficiency, us * 1e-6, *factors)
 
     def attention_fraction(self, flops: float) -> float:
         return self.attention_efficiency or self.gemm_fraction(flops)
@@ -127,6 +136,9 @@ def _check(path: str, v: dict) -> None:
 
     numbers = ("gpus_per_node", "gpu_memory_gb", "hbm_gb_per_s", "intra_node_gb_per_s")
     for key in numbers + ("inter_node_gb_per_s", "intra_node_latency_us", "inter_node_latency_us"):
+        if not positive(v[key]):
+            raise bad(key, "a positive number")
+    for key in ("all_gather_factor", "reduce_scatter_factor"):
         if not positive(v[key]):
             raise bad(key, "a positive number")
     optional = ("attention_efficiency",) if v["attention_efficiency"] is not None else ()

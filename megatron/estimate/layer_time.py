@@ -28,7 +28,14 @@ from dataclasses import dataclass
 
 from megatron.config.schema import Config
 from megatron.estimate.cluster import Cluster
-from megatron.estimate.collectives import Links, all_reduce, all_to_all, send
+from megatron.estimate.collectives import (
+    Links,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    reduce_scatter,
+    send,
+)
 from megatron.estimate.memory import DTYPE_BYTES
 
 HIDDEN_PASSES = 2 * 2 + 2 * 3.5  # norms' read + write, bias-dropout-adds' 3 passes + mask
@@ -112,8 +119,12 @@ def layer_passes(
         streamed += (gated + 1) * tokens * m.ffn_hidden_size / t
     compute = dense + mlp_time + kernels.stream(streamed * e)
 
-    # TP: two collectives of the [T, h] activations each way
-    tp_each = all_reduce(tokens * h * e, t, links.tp)
+    # TP: two all-reduces of the [T, h] activations each way (sequence parallel: two
+    # all-gathers and two reduce-scatters, the same ring traffic)
+    activation = tokens * h * e
+    tp_each = all_reduce(activation, t, links.tp)
+    if p.sequence_parallel:
+        tp_each = all_gather(activation, t, links.tp) + reduce_scatter(activation, t, links.tp)
     forward = Pass(compute, 2 * tp_each, 2 * tp_each)
     wgrad = {"qkv": qkv, "fc1": fc1}  # what hides each column-parallel input-gradient reduce
     hidden = sum(min(tp_each, w) for w in wgrad.values()) if cuda else 0.0
