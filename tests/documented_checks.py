@@ -48,7 +48,9 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
     ),
     '(command -v slurmctld >/dev/null || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null '
     "|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm "
-    "munge >/dev/null; }) && python3 -m venv .venv && .venv/bin/pip install -q --no-compile -r "
+    'munge >/dev/null; } || echo "warning: slurm-wlm and munge did not install; '
+    'tests/test_slurm_real.py will skip") && python3 -m venv .venv && .venv/bin/pip install -q '
+    "--no-compile -r "
     "requirements-dev.txt && .venv/bin/python -m pytest -q -n 2 --dist loadfile": Skip(
         "the test command: CI runs exactly this"
     ),
