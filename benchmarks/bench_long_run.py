@@ -27,14 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_pretrain import SHAPE as MODEL_SHAPE  # noqa: E402
 from tests.gpt_run import prepare_gpt_data, read_metrics, run_pretrain, tiny_overrides  # noqa: E402
 
 SHAPE = {
-    "model.num_layers": 4,
-    "model.hidden_size": 256,
-    "model.num_attention_heads": 8,
-    "model.seq_length": 256,
-    "model.max_position_embeddings": 256,
+    **MODEL_SHAPE,
     "parallel.tensor_parallel_size": 1,
     "training.micro_batch_size": 4,
     "training.global_batch_size": 8,

@@ -4,7 +4,6 @@ step from it."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import yaml
@@ -28,5 +27,5 @@ def test_dry_calibration_predicts_the_check_step(tmp_path):
     assert result["predicted_ms_per_iter"] > 0 and result["measured_ms_per_iter"] == 50.0
     assert math.isclose(result["error"], result["predicted_ms_per_iter"] / 50.0 - 1)
     path = tmp_path / "measured.yaml"  # what a user saves of the JSON, for --cluster
-    path.write_text(yaml.safe_dump(json.loads(json.dumps(profile))))
+    path.write_text(yaml.safe_dump(profile))
     assert load_cluster(str(path)).peak("bf16") == profile["peak_tflops"]["bf16"] * 1e12

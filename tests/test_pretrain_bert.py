@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_bert
-from megatron.config.checks import check_config
+from megatron.config.checks import check_all
 from megatron.config.load import load_config
 from megatron.data.hdf5_dataset import write_shard
 from megatron.errors import ConfigError
@@ -166,4 +166,4 @@ def test_hdf5_shards_split_by_rows(tmp_path):
 def test_config_check_rejects_one_token_type(bert_data, tmp_path):
     cfg = _config(bert_data, tmp_path, "bert.num_tokentypes=1")
     with pytest.raises(ConfigError, match="bert.num_tokentypes=1: sentence pairs"):
-        check_config(cfg)
+        check_all(cfg, None)

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
             skip = meta["progress"].get("skip_batches", [])
         else:
             cfg = load_config(args.config, args.overrides)
-        skip = skip_list.merge(skip + skip_list.parse(cfg.data.skip_batches))
+        skip = skip_list.with_config(skip, cfg)
         if cfg.model.type == "bert":
             raise ConfigError("which_samples.py reads GPT data; this config trains BERT")
         t = cfg.training

@@ -366,19 +366,13 @@ def _all_mistakes(cfg: Config, world_size: int | None) -> list[str]:
     return found
 
 
-def check_config(cfg: Config) -> None:
-    """The checks that need neither the world size nor the file system; the first mistake."""
-    for check in _CONFIG_CHECKS:
-        check(cfg)
-
-
 # A ``section.key=value`` a mistake's line names.
 _SETTING = re.compile(r"\b[a-z_]+\.[a-z_]+=[^\s;:,()]+")
 
 
 def check_all(cfg: Config, world_size: int | None) -> None:
-    """Every mistake ``check_world`` (at ``world_size``, unless None) and ``check_config`` find,
-    in one ConfigError of a line each: a user fixes them all in one pass. A value out of range
+    """Every mistake ``check_world`` (at ``world_size``, unless None) and ``_CONFIG_CHECKS``
+    find, in one ConfigError of a line each: a user fixes them all in one pass. A value out of range
     is reported alone (every range at once), since the other checks divide by such values; a
     wrong value is reported once, by the first check that names it."""
     found: list[str] = []

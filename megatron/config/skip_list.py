@@ -47,6 +47,11 @@ def merge(ranges: Iterable[Sequence[int]]) -> Ranges:
     return out
 
 
+def with_config(saved: Ranges, cfg: Config) -> Ranges:
+    """A checkpoint's skip list with ``data.skip_batches`` (given by hand) joined to it."""
+    return merge(saved + parse(cfg.data.skip_batches))
+
+
 def count(ranges: Ranges) -> int:
     return sum(last - first + 1 for first, last in ranges)
 
@@ -56,11 +61,15 @@ def is_skipped(batch: int, ranges: Ranges) -> bool:
 
 
 def batches_from(batch: int, ranges: Ranges) -> Iterator[int]:
-    """The batch numbers not skipped, from ``batch`` on (unbounded)."""
+    """The batch numbers not skipped, from ``batch`` on (unbounded); a skipped range is
+    stepped over whole."""
     while True:
-        if not is_skipped(batch, ranges):
+        last = next((b for a, b in ranges if a <= batch <= b), None)
+        if last is None:
             yield batch
-        batch += 1
+            batch += 1
+        else:
+            batch = last + 1
 
 
 def next_batch(consumed_samples: int, global_batch_size: int, ranges: Ranges) -> int:

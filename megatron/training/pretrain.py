@@ -271,9 +271,7 @@ def _train(
         _record_config(cfg, config_text)
     optimizer.set_lr(schedule.lr)
     # The hand-given skips join the checkpoint's: the stream passes over both.
-    progress.skip_batches = skip_list.merge(
-        progress.skip_batches + skip_list.parse(cfg.data.skip_batches)
-    )
+    progress.skip_batches = skip_list.with_config(progress.skip_batches, cfg)
     splits = datasets_provider(cfg, tokenizer, samples_per_split(t, skip_list.headroom(cfg)))
     streams = _Streams(cfg, state, splits)
     train_iter, valid_iter = streams.reopen(progress)
