@@ -205,8 +205,8 @@ def test_lost_node_requeues_and_resumes(slurm, gpt_data, references, tmp_path):
     text = job_log(tmp_path, job)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:]
     # Rank 1 on n2: named by rank. Rank 0 on n2: its node's agent hosts the workers' store,
-    # and the store is what stops answering.
-    lost = r"lost a peer, exiting: (rank [01] \(host|the torchrun agent stopped responding)"
+    # and the heartbeat names that store as what stopped answering.
+    lost = r"lost a peer, exiting: (rank [01] \(host|the torchrun agent)|the launcher is gone: "
     assert re.search(lost, text), text[-4000:]
     assert "srun: error: n1: task 0: Exited with exit code 1" in text
     assert [state for state, _ in completions(slurm, job)] == ["NODE_FAIL", "COMPLETED"]
