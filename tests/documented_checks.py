@@ -159,6 +159,7 @@ CHECKS: dict[str, Run | Instead | Covered | Skip] = {
         replace=(("out.jsonl", "out-sampled.jsonl"),)  # the README's run wrote out.jsonl
     ),
     "scripts/gpu_check.sh": Skip("needs a GPU; --dry, next, runs the same steps on the CPU"),
+    "scripts/gpu_check.sh --steps gpt_bf16,sdpa": Skip("needs a GPU; --dry runs every step"),
     "OUT=/tmp/check PYTHON=.venv/bin/python scripts/gpu_check.sh --dry": Covered(
         "tests/test_gpu_check.py::test_dry_run_writes_every_step"
     ),

@@ -77,7 +77,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="The GPU check (docs/gpu_check.md).")
     parser.add_argument("--dry", action="store_true", help="tiny shapes on the CPU, no MFU")
     parser.add_argument("--out", default="gpu_check", help="where the JSON files go")
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEP_SECONDS),
+        help="comma-separated steps to run, to rerun some on a short lease (default: all)",
+    )
     args = parser.parse_args()
+    wanted = args.steps.split(",")
+    unknown = sorted(set(wanted) - set(STEP_SECONDS))
+    if unknown:
+        names = ", ".join(STEP_SECONDS)
+        parser.error(f"--steps: no step named {', '.join(unknown)}; the steps are {names}")
     plan = DRY if args.dry else GPU
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +96,7 @@ def main() -> int:
     start = time.monotonic()
     context = {"dry": plan.dry, "environment": describe()}
     with tempfile.TemporaryDirectory(prefix="gpu_check.") as tmp:
-        steps = build_steps(plan, Path(tmp), log)
+        steps = [s for s in build_steps(plan, Path(tmp), log) if s.name in wanted]
         records = run_steps(
             steps, out, Deadline(TOTAL_SECONDS - (time.monotonic() - start)), context
         )
