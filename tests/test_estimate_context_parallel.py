@@ -88,9 +88,9 @@ def test_activations_fall_as_one_over_cp(path, overrides, cp):
 def test_ring_buffers(cp):
     """Two K/V messages [2, b, g/t, s/c, d] in bf16, fp32 dK/dV accumulators of that shape (2
     at CP 2, else 4), the fp32 dq [b, a/t, s/c, d] and four fp32 row statistics [b, a/t, s/2c],
-    and one pair's kernel outputs (dq, dk, dv; on CUDA, with g < a, four per-head [b, s/2c,
-    a/t, d] copies too); none at CP 1. The total counts them once, on top of the rest; at twice
-    the CP everything halves but the dK/dV accumulators from CP 2 to 4 (2 become 4)."""
+    and one pair's kernel outputs (dq, dk, dv; on CUDA in fp32, with g < a, four per-head [b,
+    s/2c, a/t, d] copies too); none at CP 1. The total counts them once, on top of the rest; at
+    twice the CP everything halves but the dK/dV accumulators from CP 2 to 4 (2 become 4)."""
     cfg = _at(LLAMA, LONG, cp, "training.micro_batch_size=2")
     m, tp, b = cfg.model, 2, 2
     s, g, a, d = m.seq_length // cp, m.query_groups // tp, m.num_attention_heads // tp, m.head_dim
@@ -102,7 +102,9 @@ def test_ring_buffers(cp):
     message = 2 * b * g * s * d
     assert ring.kv == 2 * message * 2 and ring.dkv == (2 if cp == 2 else 4) * message * 4
     assert ring.working == 4 * b * a * (s * d + 4 * (s // 2))
-    assert ring.pair == 2 * b * (s // 2) * d * (a + 2 * g + 4 * a)
+    assert ring.pair == 2 * b * (s // 2) * d * (a + 2 * g)
+    fp32 = ring_attention_bytes(m, b, tp, 4, cp)
+    assert fp32.pair == 4 * b * (s // 2) * d * (a + 2 * g + 4 * a)
     cpu = ring_attention_bytes(m, b, tp, 2, cp, device="cpu")
     assert cpu.pair == 2 * b * (s // 2) * d * (a + 2 * g)
     assert cpu.kernel == 2 * b * a * (s // 2) * d + CPU_KERNEL_TILES[2] and ring.kernel == 0

@@ -87,7 +87,7 @@ materialises the probabilities or any score block (each pair of chunks runs a fu
 Its transient buffers, one layer's at a time and counted once in the total
 (``ring_attention_bytes``): two K/V messages [2, b, g/t, s/c, d] in flight, fp32 dK/dV
 accumulators of that shape, the fp32 dq [b, a/t, s/c, d] and row statistics, and one pair's
-kernel outputs (and on CUDA its per-head k/v copies): all linear in s/c.
+kernel outputs (and CUDA's fp32 per-head k/v copies): all linear in s/c.
 Weights, gradients and (but for the distributed
 optimizer's shards) optimizer state are replicated over CP.
 """
@@ -286,9 +286,10 @@ def ring_attention_bytes(
     received. Working: the fp32 dq accumulator [b, a/t, s/c, d] and fp32 row statistics [b,
     a/t, s/2c] (the lse rows handed to the kernel and the kernel's own: two measured on CPU in
     fp32, four with a 16-bit dtype; CUDA's padded lse counted as four). One pair's call: its dq
-    [b, a/t, s/2c, d] and its dk, dv [b, g/t, s/2c, d] in the model dtype; on CUDA, where the
-    memory-efficient kernel reads k and v per head, the per-head copies of k and v and the
-    per-head dk, dv before they are summed to groups, four [b, s/2c, a/t, d] (unless g = a).
+    [b, a/t, s/2c, d] and its dk, dv [b, g/t, s/2c, d] in the model dtype; on CUDA in fp32,
+    where the memory-efficient kernel reads k and v per head, the per-head copies of k and v and
+    the per-head dk, dv before they are summed to groups, four [b, s/2c, a/t, d] (unless g = a;
+    CUDA's flash kernel, for 16-bit dtypes, reads the groups as they are).
     The backward kernel's private workspace, which no tensor shows: on CPU, measured, a block
     of the pair's q size [b, a/t, s/2c, d] in the model dtype plus ``CPU_KERNEL_TILES`` (one
     thread); on CUDA not measured here and not counted.
@@ -301,7 +302,7 @@ def ring_attention_bytes(
     accumulators = 2 if context_parallel == 2 else 4
     rows = 2 if elem_bytes == 4 and device == "cpu" else 4
     working = 4 * b * heads * (s * d + rows * (s // 2))
-    per_head = 4 * heads if device == "cuda" and groups != heads else 0
+    per_head = 4 * heads if device == "cuda" and elem_bytes == 4 and groups != heads else 0
     pair = elem_bytes * b * (s // 2) * d * (heads + 2 * groups + per_head)
     kernel = 0
     if device == "cpu":

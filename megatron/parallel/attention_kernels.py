@@ -15,14 +15,20 @@ Which kernel runs where:
   dropout). It reads grouped-query k and v at group size (head i uses group i // (heads /
   groups)) and returns dk, dv at group size. Its lse is [b, heads, rows], natural log, fp32
   (float64 for float64 inputs). The tests check this path against a float64 reference.
-- CUDA (fp32, fp16, bf16): ``aten._efficient_attention_forward`` and ``_backward``, the
-  memory-efficient (cutlass) kernel, chosen because its optional arguments (bias, sequence
-  offsets) can be left out from Python, where the flash op's backward needs the forward's
-  undefined sequence-offset tensors. It works in [b, rows, heads, d] layout (our [b, heads,
-  rows, d] tensors are transposed views of that memory), wants k and v per head (they are
-  expanded to heads, a [b, keys, heads, d] copy, and dk, dv summed back to groups), and returns
-  its lse [b, heads, rows rounded up to 32], natural log, fp32; its backward gets the merged
-  lse padded alike. NOT TESTED: this machine has no GPU; ``scripts/gpu_check.sh`` times it.
+- CUDA, fp16 and bf16: ``aten._scaled_dot_product_flash_attention`` and its ``_backward``,
+  FlashAttention-2 as torch builds it. It reads grouped-query k and v at group size, as the CPU
+  kernel does, and returns dk, dv at group size: no per-head copy of K/V. Its lse is [b, heads,
+  rows], natural log, fp32. Its backward takes the forward's sequence offsets, undefined for
+  dense batches: None passes an undefined tensor, as SDPA's own autograd does. Checked on an
+  H200 (``scripts/gpu_check.sh``'s ``ring_attention`` step: 64K tokens, CP 2, against SDPA over
+  the whole sequence). The memory-efficient kernel was the first choice; its backward (torch
+  2.11, through ``_efficient_attention_backward`` and through SDPA's own op pair alike) reads
+  out of bounds at 16K-row blocks of 32 heads.
+- CUDA, fp32 (which flash does not take): ``aten._efficient_attention_forward`` and
+  ``_backward``, the memory-efficient kernel, in [b, rows, heads, d] layout (our tensors are
+  transposed views of it), k and v expanded to heads and dk, dv summed back to groups, its lse
+  padded to rows rounded up to 32. Right at 256 tokens on the H200; the out-of-bounds read
+  above is its backward's, so fp32 ring attention keeps blocks below 16K rows.
 
 Any other device raises: there is no unfused fallback to fall back to silently.
 """
@@ -41,7 +47,10 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 def kernel_name(device: torch.device) -> str:
     """The kernel ``forward`` and ``backward`` run on ``device``."""
-    names = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "cuda": "_efficient_attention"}
+    names = {
+        "cpu": "_scaled_dot_product_flash_attention_for_cpu",
+        "cuda": "_scaled_dot_product_flash_attention (fp32: _efficient_attention)",
+    }
     return names.get(device.type, "none")
 
 
@@ -72,6 +81,25 @@ def backward(
     raise NotImplementedError(f"ring attention has no fused kernel for {q.device.type}")
 
 
+def _cuda_forward(q, k, v, causal, scale):  # pragma: no cover - needs a GPU
+    if q.dtype == torch.float32:
+        return _efficient_forward(q, k, v, causal, scale)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover - needs a GPU
+    if q.dtype == torch.float32:
+        return _efficient_backward(dout, q, k, v, out, lse, causal, scale)
+    m, n = q.shape[2], k.shape[2]
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: never read
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, m, n, 0.0, causal, rng, rng, scale=scale
+    )
+
+
 def _per_head(t: Tensor, heads: int) -> Tensor:
     """[b, groups, n, d] -> [b, n, heads, d] (BMHK), each group repeated for its heads."""
     groups = t.shape[1]
@@ -89,7 +117,7 @@ def _to_groups(t: Tensor, groups: int) -> Tensor:
     return t.reshape(b, groups, heads // groups, n, d).sum(2)
 
 
-def _cuda_forward(q, k, v, causal, scale):  # pragma: no cover - needs a GPU
+def _efficient_forward(q, k, v, causal, scale):  # pragma: no cover - needs a GPU
     heads, m = q.shape[1], q.shape[2]
     out, lse, *_ = torch.ops.aten._efficient_attention_forward(
         q.transpose(1, 2),
@@ -108,7 +136,7 @@ def _cuda_forward(q, k, v, causal, scale):  # pragma: no cover - needs a GPU
     return out.transpose(1, 2), lse[..., :m].float()
 
 
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover - needs a GPU
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover - needs a GPU
     b, heads, m, _ = q.shape
     n = k.shape[2]
     padded = torch.zeros(b, heads, -(-m // _ALIGN_LSE) * _ALIGN_LSE, device=q.device)

@@ -5,7 +5,7 @@ rank's K/V block already (cut with ``split_sequence``), so the timing is the rin
 alone: ``attend_block`` over both blocks (forward), then ``attend_block_backward`` over both
 (backward), the same functions ring attention runs between its hops
 (megatron/parallel/context_parallel.py; the kernel per device in attention_kernels.py). On CUDA
-that is the memory-efficient kernel, which no CPU test runs, so the step also checks it: with
+that is the flash kernel, which no CPU test runs, so the step also checks it: with
 an upstream gradient on rank 0's rows only, SDPA over the whole sequence gives rank 0's output
 and dq rows and every dK/dV row this share must produce (``max_error``: the largest absolute
 error over out, dq, dk, dv relative to max(1, the largest value)).
