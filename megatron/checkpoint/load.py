@@ -31,6 +31,7 @@ from megatron.checkpoint.format import (
     read_meta,
     rng_file,
 )
+from megatron.checkpoint.read_through import DamagedFile, FileClaims
 from megatron.checkpoint.reshard import read_state
 from megatron.checkpoint.rng import reseed, set_rng_state
 from megatron.checkpoint.stages import open_checkpoint
@@ -177,15 +178,25 @@ def _broadcast_ints(values: list[int], state: ParallelState) -> list[int]:
     return t.tolist()
 
 
+def _check_unclaimed(
+    path: str, meta: dict[str, Any], share: list[str], claims: FileClaims
+) -> str | None:
+    """``check_files`` on the files of ``share`` that no read verified as it went."""
+    claims.planned.wait()
+    return check_files(path, meta, [name for name in share if claims.claim(name)])
+
+
 def _select(
-    load_dir: str, state: ParallelState, read: Callable[[str, dict[str, Any]], _T]
+    load_dir: str, state: ParallelState, read: Callable[[str, dict[str, Any], FileClaims], _T]
 ) -> tuple[str, dict[str, Any], _T]:
     """The newest intact checkpoint of a save directory, or ``load_dir`` itself if it is one
-    checkpoint and intact, as (path, meta, ``read(path, meta)``); every rank hashes a share of
-    each candidate's files. If ``read`` raised on any rank, it raises on every rank.
+    checkpoint and intact, as (path, meta, ``read(path, meta, claims)``); every rank hashes a
+    share of each candidate's files. If ``read`` raised on any rank, it raises on every rank.
 
-    ``read`` runs while another thread hashes this rank's share: checking costs no pass over the
-    files of its own, and what ``read`` took from a candidate that fails the check is dropped.
+    ``read`` verifies the files it reads whole as their bytes arrive (those it ``claims``), and
+    another thread hashes the rest of this rank's share meanwhile: checking costs no pass over
+    the files of its own, and what ``read`` took from a candidate that fails the check is
+    dropped (a later candidate overwrites all of it).
     A missing file or an unreadable meta.json is seen alike by every rank, so when no candidate
     is intact the error names the newest one's problem (a checksum mismatch only its hasher saw
     is in that rank's warning).
@@ -212,13 +223,18 @@ def _select(
         problem = alike
         if alike is None:
             share = sorted(meta["files"])[state.rank :: state.world_size]
+            claims = FileClaims()
             with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify") as pool:
-                hashing = pool.submit(check_files, path, meta, share)
+                hashing = pool.submit(_check_unclaimed, path, meta, share, claims)
                 try:
-                    result = read(path, meta)
+                    result = read(path, meta, claims)
+                except DamagedFile as e:  # a file checked as it was read
+                    problem = str(e)
                 except Exception as e:  # raised below on every rank, if the checkpoint is intact
                     error = e
-                problem = hashing.result()
+                finally:
+                    claims.planned.set()
+                problem = hashing.result() or problem
         if problem and (alike is None or state.rank == 0):  # what all ranks found, one says
             logger.warning("%s", problem)
         if not _any_rank(problem is not None, state):
@@ -277,14 +293,14 @@ def load_checkpoint(
     model, optimizer, tracker = train.model, train.optimizer, train.tracker
     model_keys = _whole_model_keys(model, state)
 
-    def read(path: str, meta: dict[str, Any]) -> tuple[dict, dict, tuple | None]:
+    def read(path: str, meta: dict[str, Any], claims: FileClaims) -> tuple[dict, dict, Any]:
         if meta["vocab_size"] != vocab_size:
             raise ConfigError(
                 f"{path} was saved for a vocabulary of {meta['vocab_size']} tokens, the tokenizer "
                 f"has {vocab_size}; use the tokenizer the checkpoint was trained with"
             )
         optimizer_state = None if finetune else optimizer
-        source = open_checkpoint(path, meta, optimizer_state is not None)
+        source = open_checkpoint(path, meta, optimizer_state is not None, claims)
         weights, entries = read_state(source, path, meta, model, optimizer_state, state, model_keys)
         rng = None if finetune or tracker is None else _read_rng(path, meta, state)
         return weights, entries, rng

@@ -25,6 +25,9 @@ TP size. Replicated tensors are identical on every TP rank, so slice 0 is read.
 
 from __future__ import annotations
 
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from megatron.checkpoint.format import open_safetensors
+from megatron.checkpoint.read_through import read_file
 from megatron.errors import ConfigError
 from megatron.optim.optimizer import MainParamOptimizer
 from megatron.parallel.experts import is_expert
@@ -132,6 +136,16 @@ def take_shard(
     return full.narrow(split_dim, tp_rank * local, local).clone()
 
 
+def _bytes(layout: dict[str, dict[str, Any]], keys: Any, tp_size: int) -> int:
+    """Bytes of ``keys`` as one TP rank of ``tp_size`` holds them (split tensors divided)."""
+    total = 0
+    for key in keys:
+        info = layout[key]
+        elems = math.prod(info["shape"]) // (tp_size if info["split_dim"] is not None else 1)
+        total += elems * torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
+    return total
+
+
 class ShardedTensors:
     """The per-TP-rank tensor files of one checkpoint (of one saved pipeline stage: its keys
     alone), read as any rank's slice at any TP size.
@@ -140,6 +154,8 @@ class ShardedTensors:
     only those a read needs: at an unchanged TP size, a rank touches only its own file.
     ``optim`` (a distributed-optimizer checkpoint: ``optim_shards.OptimShards``)
     serves the ``optim/`` keys of its ``layout``, which ``layout`` must include, per saved TP rank.
+    ``plan`` reads the files most of whose bytes a rank wants whole, in one pass each and all at
+    once (``read_through``), verifying them on the way when ``checksums`` and ``claims`` say so.
     """
 
     def __init__(
@@ -153,8 +169,54 @@ class ShardedTensors:
         self.paths, self.layout, self.vocab_size, self.optim = paths, layout, vocab_size, optim
         self.experts = experts  # saved at EP > 1: each EP rank's expert files, in EP order
         self._files: dict[int, Any] = {}
+        self._read: dict[int, dict[str, Tensor]] = {}  # what ``plan`` read, per saved TP rank
+
+    def _whole_file(self, key: str, tp_size: int, tp_rank: int, padded: int | None) -> int | None:
+        """The saved TP rank whose file ``read`` takes ``key`` from as it lies; None when the
+        read cuts, merges, pads or goes elsewhere (experts, optimizer shards)."""
+        info = self.layout[key]
+        if (info.get("experts") and self.experts) or (self.optim and key in self.optim.layout):
+            return None
+        if info["split_dim"] is None:
+            return 0
+        if len(self.paths) == tp_size and (not info["vocab"] or padded == info["shape"][0]):
+            return tp_rank
+        return None
+
+    def plan(
+        self,
+        wanted: dict[str, Tensor | None],
+        tp_size: int,
+        tp_rank: int,
+        padded: int | None,
+        checksums: dict[str, str] | None = None,
+        claims: Any | None = None,
+    ) -> None:
+        """Read now, concurrently, each file from which ``wanted`` (key: the tensor to fill, or
+        None) takes at least half the bytes as they lie; ``read`` then serves those keys. A
+        file ``claims`` grants is checked against ``checksums`` (by file name) while read."""
+        keys: dict[int, dict[str, Tensor | None]] = {}
+        for key, into in wanted.items():
+            if key in self.layout:
+                j = self._whole_file(key, tp_size, tp_rank, padded)
+                if j is not None:
+                    keys.setdefault(j, {})[key] = into
+        sizes = {j: os.path.getsize(self.paths[j]) for j in keys}
+        keys = {j: w for j, w in keys.items() if 2 * _bytes(self.layout, w, tp_size) >= sizes[j]}
+        jobs = []
+        for j, w in keys.items():
+            name = os.path.basename(self.paths[j])
+            check = checksums is not None and claims is not None and claims.claim(name)
+            jobs.append((j, self.paths[j], checksums[name] if check else None, w))
+        if not jobs:
+            return
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="checkpoint-read") as pool:
+            done = pool.map(lambda job: (job[0], read_file(*job[1:])), jobs)
+            self._read.update(done)
 
     def _slice(self, key: str, tp_rank: int) -> Tensor:
+        if key in self._read.get(tp_rank, {}):
+            return self._read[tp_rank].pop(key)
         if self.optim is not None and key in self.optim.layout:
             return self.optim.get(key, tp_rank)
         if tp_rank not in self._files:
@@ -226,6 +288,20 @@ class ShardedTensors:
             ) from None
 
 
+_OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "main")
+
+
+def _fillable(t: Tensor, info: dict[str, Any] | None, tp_size: int) -> Tensor | None:
+    """``t`` itself when a checkpoint's tensor (layout ``info``) can be read straight into it:
+    on the CPU, contiguous, of the saved dtype and of this rank's share of the saved shape."""
+    if info is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    shape = list(info["shape"])
+    if info["split_dim"] is not None:
+        shape[info["split_dim"]] //= tp_size
+    return t if list(t.shape) == shape and str(t.dtype) == f"torch.{info['dtype']}" else None
+
+
 def read_state(
     source: Any,
     where: str,
@@ -273,6 +349,12 @@ def read_state(
         return t
 
     local = model.state_dict()
+    wanted: dict[str, Tensor | None] = {f"model/{k}": _fillable(t, layout.get(f"model/{k}"),
+        state.tp_size) for k, t in local.items()}  # fmt: skip
+    if optimizer is not None:
+        fields = [f"optim/{name}/{f}" for name in optimizer.names for f in _OPTIM_FIELDS]
+        wanted.update((key, None) for key in fields if key in layout)
+    source.plan(wanted, state.tp_size, state.tp_rank, padded)
     weights = {name: read(f"model/{name}", t.shape) for name, t in local.items()}
     whole = set(local) if model_keys is None else model_keys
     extra = [k for k in layout if k.startswith("model/") and k[len("model/") :] not in whole]
@@ -293,7 +375,7 @@ def read_state(
     # The names, not state_dict(): the distributed optimizer's is a collective over DP.
     for name in optimizer.names:
         entry: dict[str, Any] = {}
-        for field in ("exp_avg", "exp_avg_sq", "main"):
+        for field in _OPTIM_FIELDS:
             if f"optim/{name}/{field}" in layout:
                 entry[field] = read(f"optim/{name}/{field}", params[name].shape)
         if f"optim/{name}/step" in layout:

@@ -23,14 +23,16 @@ from torch import Tensor
 
 from megatron.checkpoint.format import pp_size_of, stage_expert_files, stage_files
 from megatron.checkpoint.optim_shards import OptimShards
+from megatron.checkpoint.read_through import FileClaims
 from megatron.checkpoint.reshard import ShardedTensors
 
 
 class StagedTensors:
     """Every saved stage's ``ShardedTensors``, read by key: ``read`` goes to the key's holder."""
 
-    def __init__(self, stages: list[ShardedTensors]):
+    def __init__(self, stages: list[ShardedTensors], checksums=None, claims=None):
         self.stages = stages
+        self.checksums, self.claims = checksums, claims  # for ``plan``: meta.json's ``files``
         self.holder: dict[str, int] = {}
         self.layout: dict[str, dict[str, Any]] = {}
         for p, stage in enumerate(stages):  # in saved order; the first stage holding a key wins
@@ -42,11 +44,27 @@ class StagedTensors:
         """Tensor ``key`` as rank ``tp_rank`` of ``tp_size`` holds it (``ShardedTensors.read``)."""
         return self.stages[self.holder[key]].read(key, tp_size, tp_rank, padded_rows)
 
+    def plan(
+        self, wanted: dict[str, Tensor | None], tp_size: int, tp_rank: int, padded: int | None
+    ) -> None:
+        """``ShardedTensors.plan`` on each saved stage for the keys it holds; then the hashing
+        thread waiting on ``claims`` may start on the files no read verifies."""
+        try:
+            for p, stage in enumerate(self.stages):
+                mine = {k: t for k, t in wanted.items() if self.holder.get(k) == p}
+                stage.plan(mine, tp_size, tp_rank, padded, self.checksums, self.claims)
+        finally:
+            if self.claims is not None:
+                self.claims.planned.set()
 
-def open_checkpoint(ckpt_dir: str, meta: dict[str, Any], with_optim: bool) -> StagedTensors:
+
+def open_checkpoint(
+    ckpt_dir: str, meta: dict[str, Any], with_optim: bool, claims: FileClaims | None = None
+) -> StagedTensors:
     """The tensors of checkpoint ``ckpt_dir``; ``with_optim``: a distributed-optimizer
     checkpoint's ``optim/`` keys too, rebuilt from its shard files (a plain checkpoint's TP files
-    hold them already). Opens nothing yet: files are opened at their first read."""
+    hold them already). Opens nothing yet: files are opened at their first read, or by ``plan``,
+    which checks the files ``claims`` grants it against meta.json as it reads them."""
     stages = []
     # Each saved stage's keys; saved before PP: one stage, all of ``tensors``.
     saved_keys = meta.get("stages") or [list(meta["tensors"])]
@@ -61,4 +79,4 @@ def open_checkpoint(ckpt_dir: str, meta: dict[str, Any], with_optim: bool) -> St
             for names in stage_expert_files(meta, p)
         ]
         stages.append(ShardedTensors(paths, layout, meta["vocab_size"], shards, experts))
-    return StagedTensors(stages)
+    return StagedTensors(stages, meta["files"], claims)
