@@ -96,8 +96,15 @@ def _resume(cfg, save_dir):
     given: dict[str, int] = {}
     # load_state_dict only records what it is given: the weights must already be in place.
     loaded.model.load_state_dict = lambda w: given.update((k, t.data_ptr()) for k, t in w.items())
+    targets = {}
+    allocate = loaded.optimizer.load_targets
+    loaded.optimizer.load_targets = lambda names: targets.update(allocate(names)) or targets
     load_checkpoint(save_dir, loaded, st, VOCAB)
     out = {"same": same(snapshot(loaded.model), states[2]), "given": given == live}
+    kept = loaded.optimizer.state_dict()["params"]
+    out["moments kept"] = bool(targets) and all(
+        kept[n][f] is t for n, fields in targets.items() for f, t in fields.items()
+    )
     out["hashed"] = hashed
     # A flipped byte in the file read straight into the parameters: the previous checkpoint.
     path = os.path.join(save_dir, "iter_0000002", shard_file(0))
@@ -115,6 +122,8 @@ def test_a_resume_reads_its_file_once_into_the_parameters(tmp_path):
     out = run_distributed(_resume, 1, cfg, str(tmp_path / "ckpt"))[0]
     # Every weight was read into its parameter's own memory: loading it is a copy onto itself.
     assert out["same"] and out["given"]
+    # A fresh optimizer's Adam moments were allocated once and read into: no second copy.
+    assert out["moments kept"]
     # The model file was checked as it was read; the hashing thread took only the rest.
     assert shard_file(0) not in out["hashed"] and "rng_rank00000.safetensors" in out["hashed"]
     assert out["fallback"] == (1, True)

@@ -351,9 +351,15 @@ def read_state(
     local = model.state_dict()
     wanted: dict[str, Tensor | None] = {f"model/{k}": _fillable(t, layout.get(f"model/{k}"),
         state.tp_size) for k, t in local.items()}  # fmt: skip
-    if optimizer is not None:
+    if optimizer is not None and not meta.get("weights_only"):
         fields = [f"optim/{name}/{f}" for name in optimizer.names for f in _OPTIM_FIELDS]
         wanted.update((key, None) for key in fields if key in layout)
+        moments = {name for name in optimizer.names if f"optim/{name}/exp_avg" in layout}
+        for name, live in optimizer.load_targets(moments).items():
+            for field, t in live.items():
+                key = f"optim/{name}/{field}"
+                if key in layout:
+                    wanted[key] = _fillable(t, layout[key], state.tp_size)
     source.plan(wanted, state.tp_size, state.tp_rank, padded)
     weights = {name: read(f"model/{name}", t.shape) for name, t in local.items()}
     whole = set(local) if model_keys is None else model_keys

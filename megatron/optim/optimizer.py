@@ -194,6 +194,11 @@ class MainParamOptimizer(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output into the main copies, moments, steps and scaler."""
 
+    def load_targets(self, with_moments: set[str]) -> dict[str, dict[str, Tensor]]:
+        """Per parameter name, the live tensors a checkpoint may be read straight into before
+        ``load_state_dict`` (which then keeps them): none unless an optimizer says so."""
+        return {}
+
     def _release_grads(self) -> None:
         # An fp32 param's .grad is now a view of its main_grad bucket: left in place, the next
         # backward would accumulate into the bucket directly and count that gradient twice.
@@ -254,6 +259,11 @@ class MainParamOptimizer(ABC):
         """Drop ``.grad`` of model and main params (DataParallel.zero_grad_buffer zeroes
         ``main_grad``)."""
         self._release_grads()
+
+
+def _own(saved: Tensor, main: Tensor, live: Tensor | None) -> Tensor:
+    """``saved`` if it is the live moment a load read straight into, else a fresh copy of it."""
+    return saved if saved is live else torch.empty_like(main).copy_(saved)
 
 
 class MixedPrecisionOptimizer(MainParamOptimizer):
@@ -338,6 +348,18 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
             params[name] = entry
         return {"params": params, "grad_scaler": self.scaler.state_dict()}
 
+    def load_targets(self, with_moments: set[str]) -> dict[str, dict[str, Tensor]]:
+        """The main copies kept apart from their params, and the Adam moments of the names in
+        ``with_moments`` (a checkpoint holds them), allocated now if no step has made them."""
+        targets: dict[str, dict[str, Tensor]] = {}
+        for name, param, main in zip(self.names, self.model_params, self.main_params):
+            entry = targets[name] = {} if main is param else {"main": main}
+            if name in with_moments:
+                adam = self.inner.state[main]
+                for field in ("exp_avg", "exp_avg_sq"):
+                    entry[field] = adam.setdefault(field, torch.empty_like(main))
+        return targets
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output; call after the model weights are loaded.
@@ -365,10 +387,10 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
                 main.copy_(param)
             self._steps[i] = int(entry.get("step", 0)) if "exp_avg" in entry else 0
             if "exp_avg" in entry:
+                live = self.inner.state.get(main, {})
                 inner["state"][index[id(main)]] = {
                     "step": torch.tensor(float(self._steps[i])),
-                    "exp_avg": torch.empty_like(main).copy_(entry["exp_avg"]),
-                    "exp_avg_sq": torch.empty_like(main).copy_(entry["exp_avg_sq"]),
+                    **{f: _own(entry[f], main, live.get(f)) for f in ("exp_avg", "exp_avg_sq")},
                 }
         # torch's own loader casts and moves every state tensor next to its parameter.
         self.inner.load_state_dict(inner)
