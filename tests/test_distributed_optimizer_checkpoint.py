@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron.checkpoint.format import checkpoint_name, optim_file, read_meta, shard_file
+from megatron.checkpoint.optim_shards import OptimShards
 from megatron.checkpoint.train_state import Progress, TrainState
 from megatron.config.load import config_from_dict
 from megatron.errors import ConfigError
@@ -169,10 +170,11 @@ def _state(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_bf16_round_trips_between_distributed_and_plain(tmp_path):
+def test_bf16_round_trips_between_distributed_and_plain(tmp_path, monkeypatch):
     """Two steps with the distributed optimizer, saved; loaded into the plain optimizer, saved
     again; loaded into the distributed one. Every weight, fp32 main param, moment and step is
-    the trained state bit for bit at each stage (a world of one: no resharding, only copies)."""
+    the trained state bit for bit at each stage (a world of one: no resharding, only copies);
+    and from the first checkpoint straight into another distributed one."""
     cfg = tiny_config(tmp_path, "precision.dtype=bf16", "optimizer.lr_warmup_iters=0")
     model, ddp, optimizer, schedule, tracker = _bf16(cfg, True)
     for i in range(2):
@@ -195,3 +197,13 @@ def test_bf16_round_trips_between_distributed_and_plain(tmp_path):
         assert same(_state(model, optimizer), trained)
         if save:
             save_checkpoint(str(tmp_path / save), train_state, *rest)
+    # Distributed to distributed at one layout: the rank's own shard file read as it lies, into
+    # the optimizer's flat shard, never reassembled from every DP rank's file.
+    monkeypatch.setattr(OptimShards, "get", lambda *_: pytest.fail("the shards were reassembled"))
+    model, _, optimizer, schedule, tracker = _bf16(cfg, True)
+    shard = dict(optimizer.shard)
+    load_checkpoint(
+        str(tmp_path / "a"), TrainState(model, optimizer, schedule, tracker), SERIAL, VOCAB
+    )
+    assert same(_state(model, optimizer), trained)
+    assert all(optimizer.shard[k] is t for k, t in shard.items())

@@ -31,7 +31,8 @@ from megatron.checkpoint.format import (
     read_meta,
     rng_file,
 )
-from megatron.checkpoint.read_through import DamagedFile, FileClaims
+from megatron.checkpoint.optim_shards import own_shard_file
+from megatron.checkpoint.read_through import DamagedFile, FileClaims, read_file
 from megatron.checkpoint.reshard import read_state
 from megatron.checkpoint.rng import reseed, set_rng_state
 from megatron.checkpoint.stages import open_checkpoint
@@ -300,12 +301,21 @@ def load_checkpoint(
                 f"has {vocab_size}; use the tokenizer the checkpoint was trained with"
             )
         optimizer_state = None if finetune else optimizer
-        source = open_checkpoint(path, meta, optimizer_state is not None, claims)
-        weights, entries = read_state(source, path, meta, model, optimizer_state, state, model_keys)
+        own = own_shard_file(meta, optimizer_state, state)
+        verify = own is not None and claims.claim(own)  # before read_state lets the hasher go
+        source = open_checkpoint(path, meta, optimizer_state is not None and own is None, claims)
+        weights, entries = read_state(
+            source, path, meta, model, None if own else optimizer_state, state, model_keys
+        )
+        shard = None
+        if own is not None:
+            into = {k: t if t.device.type == "cpu" else None for k, t in optimizer.shard.items()}
+            recorded = meta["files"][own] if verify else None
+            shard = read_file(os.path.join(path, own), recorded, into)
         rng = None if finetune or tracker is None else _read_rng(path, meta, state)
-        return weights, entries, rng
+        return weights, (entries, shard), rng
 
-    path, meta, (weights, entries, rng) = _select(load_dir, state, read)
+    path, meta, (weights, (entries, shard), rng) = _select(load_dir, state, read)
     model.load_state_dict(weights)
     if finetune:
         if optimizer is not None:
@@ -315,7 +325,10 @@ def load_checkpoint(
         return
     if optimizer is not None:
         scaler = meta["grad_scaler"] or optimizer.scaler.state_dict()
-        optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
+        if shard is not None:
+            optimizer.load_shard(shard, meta["distributed_optimizer"]["step"], scaler)
+        else:
+            optimizer.load_state_dict({"params": entries, "grad_scaler": scaler})
     if train.schedule is not None and meta["lr_schedule"] is not None:
         changed = train.schedule.load_state_dict(meta["lr_schedule"])
         if changed and state.rank == 0:

@@ -25,6 +25,7 @@ with every EP rank's experts concatenated, as the expert files serve the weights
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -32,9 +33,16 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from megatron.checkpoint.format import open_safetensors, optim_file, pp_size_of
+from megatron.checkpoint.format import (
+    cp_size_of,
+    ep_size_of,
+    open_safetensors,
+    optim_file,
+    pp_size_of,
+)
 from megatron.errors import ConfigError
-from megatron.optim.distributed_optimizer import FIELDS, assemble
+from megatron.optim.distributed_optimizer import FIELDS, DistributedOptimizer, assemble
+from megatron.parallel.state import ParallelState
 
 
 def optim_layout(meta: dict[str, Any], pp_rank: int = 0) -> dict[str, dict[str, Any]]:
@@ -67,6 +75,23 @@ def all_optim_layout(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for p in range(pp_size_of(meta)):
         layout.update(optim_layout(meta, p))
     return layout
+
+
+def own_shard_file(meta: dict[str, Any], optimizer: Any, state: ParallelState) -> str | None:
+    """The optimizer shard file this rank wrote, when the checkpoint was saved by a distributed
+    optimizer at this very layout (every parallel size, and this rank's buckets and parameters):
+    its flat tensors are then this rank's shard as it lies, read with no other rank's file. None
+    otherwise (``OptimShards`` then reassembles and reslices)."""
+    if not isinstance(optimizer, DistributedOptimizer) or not meta.get("distributed_optimizer"):
+        return None
+    saved = (meta["tp_size"], pp_size_of(meta), meta["dp_size"], cp_size_of(meta))
+    here = (state.tp_size, state.pp_size, state.dp_size, state.cp_size)
+    if saved + (ep_size_of(meta),) != here + (state.ep_size,):
+        return None
+    layout = meta["distributed_optimizer"]["layouts"][state.pp_rank * state.tp_size + state.tp_rank]
+    if layout != json.loads(json.dumps(optimizer.layout())):
+        return None
+    return optim_file(state.tp_rank, state.replica_rank, state.pp_rank, state.pp_size)
 
 
 class OptimShards:

@@ -236,6 +236,19 @@ class DistributedOptimizer(MainParamOptimizer):
         return {"params": params, "grad_scaler": self.scaler.state_dict()}
 
     @torch.no_grad()
+    def load_shard(self, flat: dict[str, Tensor], step: int, scaler: dict[str, Any]) -> None:
+        """Restore this rank's own saved ``shard_state()`` tensors, saved at this very layout:
+        the moments and main copy as they lie (``flat``'s tensors may be the shard's own, read
+        straight into), no gather or reassembly; the model weights come from its own file."""
+        for key, t in flat.items():
+            if key in self.shard and t is not self.shard[key]:
+                self.shard[key].copy_(t)
+        for main in self.main_params:
+            self.inner.state[main]["step"].fill_(float(step))
+        self._steps = [step] * len(self.main_params)
+        self.scaler.load_state_dict(scaler)
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the per-parameter format (``state_dict()``, ``assemble`` or
         ``MixedPrecisionOptimizer.state_dict()``); call after the model weights are loaded.
