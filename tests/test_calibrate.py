@@ -97,10 +97,11 @@ def test_the_link_is_measured_on_both_ranks_alike(tmp_path):
 
 def test_each_collective_call_pays_the_measured_sync_once(tmp_path):
     """Per micro-batch at TP2, each layer makes four TP collectives (two all-reduces each way),
-    the embedding and the head one each; with sequence parallelism each all-reduce becomes an
-    all-gather and a reduce-scatter, and the embedding's split and the head's gather add one
-    each way: eight a layer, two each for the embedding and the head. A measured wait per call
-    adds exactly that many waits to the step (one stage, nothing overlapped on CPU)."""
+    the embedding and the head one each, and the vocab-parallel loss three; with sequence
+    parallelism each all-reduce becomes an all-gather and a reduce-scatter, and the embedding's
+    split and the head's gather add one each way: eight a layer, two each for the embedding and
+    the head. A measured wait per call adds exactly that many waits to the step (one stage,
+    nothing overlapped on CPU)."""
     sync = 1e-3
 
     def seconds(cfg, sync_s: float) -> float:
@@ -109,7 +110,7 @@ def test_each_collective_call_pays_the_measured_sync_once(tmp_path):
         path.write_text(yaml.safe_dump(profile))
         return step_time(cfg, 512, "gpt", 2, load_cluster(str(path))).seconds
 
-    for sp, per_layer, ends in (("false", 4, 2), ("true", 8, 4)):
+    for sp, per_layer, ends in (("false", 4, 2 + 3), ("true", 8, 4 + 3)):
         cfg = load_config(["configs/gpt_tiny.yaml"], [f"parallel.sequence_parallel={sp}"])
         micro = cfg.training.global_batch_size // cfg.training.micro_batch_size  # DP 1
         calls = micro * (cfg.model.num_layers * per_layer + ends)

@@ -48,8 +48,10 @@ class StepTime:
 
 def _head(cfg: Config, kernels: Kernels, links: Links, padded_vocab: int) -> tuple[Pass, Pass]:
     """The LM head and its cross-entropy for one micro-batch: logits [T, V/t] in the model dtype
-    and the loss's fp32 copy, written and read; its input's TP reduce in backward (sequence
-    parallel: its input's all-gather forward, and a reduce-scatter backward)."""
+    and the loss's fp32 copy, written and read; the vocab-parallel loss's three all-reduces of
+    [T] fp32 forward (the logits' max, the target's logit, the sum of exponentials:
+    megatron/parallel/cross_entropy.py); its input's TP reduce in backward (sequence parallel:
+    its input's all-gather forward, and a reduce-scatter backward)."""
     m, p = cfg.model, cfg.parallel
     t, e = p.tensor_parallel_size, DTYPE_BYTES[cfg.precision.dtype]
     tokens = cfg.training.micro_batch_size * m.seq_length // p.context_parallel_size
@@ -62,7 +64,8 @@ def _head(cfg: Config, kernels: Kernels, links: Links, padded_vocab: int) -> tup
             all_gather(activation, t, links.tp),
             reduce_scatter(activation, t, links.tp),
         )
-    return Pass(gemm + logits, gather, gather), Pass(2 * (gemm + logits), reduce, reduce)
+    enter = gather + 3 * all_reduce(4 * tokens, t, links.tp)
+    return Pass(gemm + logits, enter, enter), Pass(2 * (gemm + logits), reduce, reduce)
 
 
 def _embedding(cfg: Config, kernels: Kernels, links: Links) -> tuple[Pass, Pass]:
