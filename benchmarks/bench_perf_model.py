@@ -4,7 +4,8 @@ Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput 
 bandwidth, an activation's forward and backward, and causal fused attention, of one thread,
 measured in one process alone and in two at once, since two processes on a shared 2-core
 machine get less than two cores; gloo's all-reduce bandwidth and latency between the two, and
-its all-gather and reduce-scatter against the ring model), then
+its all-gather and reduce-scatter against the ring model, and what a collective costs beyond
+that when it follows compute, as a step's do), then
 runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
 vocab 512) at TP1 (one process), TP2, DP2, PP2, TP2 with sequence parallelism and DP2 with the
 distributed optimizer (two processes of one thread each), and sets the model's ms/iteration
@@ -36,6 +37,7 @@ from megatron.config.load import load_config  # noqa: E402
 from megatron.estimate.calibrate import (  # noqa: E402
     attention_rate,
     collective_factors,
+    collective_sync,
     cpu_profile,
     elementwise_bandwidth,
     gemm_table,
@@ -80,17 +82,20 @@ def _measure(world: int) -> tuple:
     attention = attention_rate(cpu, torch.float32, ATTENTION_SHAPE)
     link = link_figures() if world > 1 else (1.0, 1.0)
     factors = collective_factors(link) if world > 1 else (1.0, 1.0)
-    return peak, table, stream, link, elementwise, attention, factors
+    sync = collective_sync() if world > 1 else 0.0
+    return peak, table, stream, link, elementwise, attention, factors, sync
 
 
 def calibrate(out: Path) -> dict[int, Path]:
     """Measure this machine with one process and with two; a profile for each, under ``out``."""
     one, two = run_distributed(_measure, 1, 1)[0], run_distributed(_measure, 2, 2)[0]
     paths = {}
-    for processes, (peak, table, stream, _, elementwise, attention, _) in ((1, one), (2, two)):
+    for processes, (peak, table, stream, _, elementwise, attention, *_) in ((1, one), (2, two)):
         paths[processes] = out / f"this-cpu-{processes}.yaml"
-        name, factors = f"this-cpu-{processes}", two[6]
-        profile = cpu_profile(name, peak, table, stream, two[3], elementwise, attention, factors)
+        name, factors, sync = f"this-cpu-{processes}", two[6], two[7]
+        profile = cpu_profile(
+            name, peak, table, stream, two[3], elementwise, attention, factors, sync
+        )
         paths[processes].write_text(yaml.safe_dump(profile))
     return paths
 
@@ -132,6 +137,7 @@ def main() -> None:
             "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
             "all_gather_factor": round(c.all_gather_factor, 2),
             "reduce_scatter_factor": round(c.reduce_scatter_factor, 2),
+            "collective_sync_us": round(c.collective_sync_us, 1),
         }
         for n, c in clusters.items()
     }

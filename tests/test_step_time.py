@@ -193,6 +193,11 @@ def test_bad_profiles_get_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_cluster(str(attention))
     assert "attention_efficiency" in _one_line(e)
+    sync = tmp_path / "sync.yaml"
+    sync.write_text("\n".join(lines) + "\ncollective_sync_us: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_cluster(str(sync))
+    assert "collective_sync_us" in _one_line(e)
     cfg, vocab = _paper("1.2b", 1, "precision.dtype=bf16")
     with pytest.raises(ConfigError) as e:
         step_time(cfg, vocab, "gpt", 1, load_cluster("dgx2h-v100"))

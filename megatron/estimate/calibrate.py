@@ -119,6 +119,33 @@ def collective_factors(link: tuple[float, float], group: dist.ProcessGroup | Non
     return gather / model, scatter / model
 
 
+def collective_sync(group: dist.ProcessGroup | None = None, calls: int = 16) -> float:
+    """Seconds a small all-reduce costs beyond its own time when it follows a GEMM, as each of a
+    step's collectives follows compute: ``calls`` of (GEMM, all-reduce) against as many GEMMs
+    and as many all-reduces run apart. Each rank reaches the collective when its own GEMM ends
+    and waits for the later one, and gloo's threads, idle during the GEMM, wake for it; a
+    collective timed on its own after a barrier pays neither. Every rank of the group calls it.
+    """
+    x = torch.zeros(SMALL_BYTES // 4)
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)  # ~0.5 GFLOP, a layer's GEMM here
+
+    def gemms() -> None:
+        for _ in range(calls):
+            a @ w
+
+    def reduces() -> None:
+        for _ in range(calls):
+            dist.all_reduce(x, group=group)
+
+    def both() -> None:
+        for _ in range(calls):
+            a @ w
+            dist.all_reduce(x, group=group)
+
+    apart = _best_seconds(gemms, 7, dist.barrier) + _best_seconds(reduces, 7, dist.barrier)
+    return max(0.0, _best_seconds(both, 7, dist.barrier) - apart) / calls
+
+
 def cpu_profile(
     name: str,
     peak: float,
@@ -128,12 +155,14 @@ def cpu_profile(
     elementwise: float | None = None,
     attention: float | None = None,
     factors: tuple[float, float] = (1.0, 1.0),
+    sync: float = 0.0,
 ) -> dict:
     """A profile (the fields of megatron/estimate/cluster.py's Cluster) for processes of one
     thread on this machine: a node is its cores, every figure achievable as measured; the
     memory-bound kernels at ``elementwise`` bytes/s (else the copy's), fused attention at
     ``attention`` FLOP/s (else a GEMM's rate), all-gathers and reduce-scatters at ``factors``
-    times the ring model (``collective_factors``)."""
+    times the ring model (``collective_factors``), and each collective call ``sync`` seconds
+    more (``collective_sync``)."""
     cores = os.cpu_count() or 1
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     bandwidth, latency = link
@@ -154,6 +183,7 @@ def cpu_profile(
         "attention_efficiency": min(1.0, attention / peak) if attention else None,
         "all_gather_factor": factors[0],
         "reduce_scatter_factor": factors[1],
+        "collective_sync_us": sync * 1e6,
     }
 
 

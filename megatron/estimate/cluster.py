@@ -22,12 +22,14 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters
 
 class Link(NamedTuple):
     """A link's achievable bandwidth (bytes/s, each way, per GPU) and per-message latency (s);
-    how much longer than the ring model its all-gathers and reduce-scatters take (measured)."""
+    how much longer than the ring model its all-gathers and reduce-scatters take (measured); and
+    the seconds each collective call costs the host that waits for it after compute (measured)."""
 
     bandwidth: float
     latency: float
     gather: float = 1.0
     scatter: float = 1.0
+    sync: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ class Cluster:
     # (gloo's run well above it); optional: 1.
     all_gather_factor: float = 1.0
     reduce_scatter_factor: float = 1.0
+    # Measured seconds (in µs) a collective costs beyond its ring time when called right after
+    # compute, once per call: where the host runs the collective itself (gloo), each rank waits
+    # for the later one and for its own wake-up. Optional: 0, as on GPUs, where NCCL's kernels
+    # queue behind the compute and the host does not wait.
+    collective_sync_us: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype``; ConfigError when the profile has no figure for it."""
@@ -74,7 +81,8 @@ class Cluster:
             else (self.intra_node_gb_per_s, self.intra_node_latency_us)
         )
         factors = (self.all_gather_factor, self.reduce_scatter_factor)
-        return Link(gb * 1e9 * self.link_efficiency, us * 1e-6, *factors)
+        sync = self.collective_sync_us * 1e-6
+        return Link(gb * 1e9 * self.link_efficiency, us * 1e-6, *factors, sync)
 
     def attention_fraction(self, flops: float) -> float:
         return self.attention_efficiency or self.gemm_fraction(flops)
@@ -141,6 +149,9 @@ def _check(path: str, v: dict) -> None:
     for key in ("all_gather_factor", "reduce_scatter_factor"):
         if not positive(v[key]):
             raise bad(key, "a positive number")
+    sync = v["collective_sync_us"]
+    if not isinstance(sync, int | float) or isinstance(sync, bool) or not 0 <= sync < math.inf:
+        raise bad("collective_sync_us", "a number of microseconds, 0 or more")
     optional = ("attention_efficiency",) if v["attention_efficiency"] is not None else ()
     for key in ("hbm_efficiency", "link_efficiency", *optional):
         if not positive(v[key]) or v[key] > 1:

@@ -48,25 +48,36 @@ class StepTime:
 
 def _head(cfg: Config, kernels: Kernels, links: Links, padded_vocab: int) -> tuple[Pass, Pass]:
     """The LM head and its cross-entropy for one micro-batch: logits [T, V/t] in the model dtype
-    and the loss's fp32 copy, written and read; its input's TP reduce in backward."""
+    and the loss's fp32 copy, written and read; the vocab-parallel loss's three all-reduces of
+    [T] fp32 forward (the logits' max, the target's logit, the sum of exponentials:
+    megatron/parallel/cross_entropy.py); its input's TP reduce in backward (sequence parallel:
+    its input's all-gather forward, and a reduce-scatter backward)."""
     m, p = cfg.model, cfg.parallel
     t, e = p.tensor_parallel_size, DTYPE_BYTES[cfg.precision.dtype]
     tokens = cfg.training.micro_batch_size * m.seq_length // p.context_parallel_size
     gemm = kernels.gemm(2 * tokens * m.hidden_size * padded_vocab / t)
     logits = kernels.stream(2 * (e + 4) * tokens * padded_vocab / t)
-    reduce = all_reduce(tokens * m.hidden_size * e, t, links.tp)
-    return Pass(gemm + logits), Pass(2 * (gemm + logits), reduce, reduce)
+    activation = tokens * m.hidden_size * e
+    gather, reduce = 0.0, all_reduce(activation, t, links.tp)
+    if p.sequence_parallel:
+        gather, reduce = (
+            all_gather(activation, t, links.tp),
+            reduce_scatter(activation, t, links.tp),
+        )
+    enter = gather + 3 * all_reduce(4 * tokens, t, links.tp)
+    return Pass(gemm + logits, enter, enter), Pass(2 * (gemm + logits), reduce, reduce)
 
 
 def _embedding(cfg: Config, kernels: Kernels, links: Links) -> tuple[Pass, Pass]:
     """Lookup, position add and dropout (three [T, h] passes each way); the vocab-parallel
-    table's all-reduce forward."""
+    table's all-reduce forward (sequence parallel: then split, its gradient all-gathered back)."""
     m, p = cfg.model, cfg.parallel
-    e = DTYPE_BYTES[cfg.precision.dtype]
+    t, e = p.tensor_parallel_size, DTYPE_BYTES[cfg.precision.dtype]
     tokens = cfg.training.micro_batch_size * m.seq_length // p.context_parallel_size
     stream = kernels.stream(3 * tokens * m.hidden_size * e)
-    reduce = all_reduce(tokens * m.hidden_size * e, p.tensor_parallel_size, links.tp)
-    return Pass(stream, reduce, reduce), Pass(stream)
+    reduce = all_reduce(tokens * m.hidden_size * e, t, links.tp)
+    gather = all_gather(tokens * m.hidden_size * e, t, links.tp) if p.sequence_parallel else 0.0
+    return Pass(stream, reduce, reduce), Pass(stream, gather, gather)
 
 
 def unit_passes(

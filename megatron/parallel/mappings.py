@@ -62,7 +62,22 @@ def all_gather_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return out.view(tp, *x.shape).transpose(0, 1).reshape(b, tp * s_local, *x.shape[2:])
 
 
-def reduce_scatter_seq_start(x: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, dist.Work]:
+class _SumOnWait:
+    """A reduce-scatter run as an all-to-all: ``wait`` waits for the exchange, then sums the
+    ``received`` parts [tp, b, s / tp, h] over dim 0 into ``out``, as the reduce would have."""
+
+    def __init__(self, work: dist.Work, received: Tensor, out: Tensor):
+        self._work, self._received, self._out = work, received, out
+
+    def wait(self) -> bool:
+        self._work.wait()
+        torch.sum(self._received, dim=0, out=self._out)
+        return True
+
+
+def reduce_scatter_seq_start(
+    x: Tensor, group: dist.ProcessGroup
+) -> tuple[Tensor, dist.Work | _SumOnWait]:
     """Start summing [b, s, h] over the group, keeping this rank's [b, s / tp, h] sequence slice.
 
     Returns the output buffer and the pending work (wait on it before reading the buffer);
@@ -73,6 +88,13 @@ def reduce_scatter_seq_start(x: Tensor, group: dist.ProcessGroup) -> tuple[Tenso
     # [b, s, h] -> [b, tp, s / tp, h] -> [tp, b, s / tp, h] -> [tp * b, s / tp, h], rank-major
     parts = x.reshape(b, tp, s_local, *rest).transpose(0, 1).reshape(tp * b, s_local, *rest)
     out = x.new_empty((b, s_local, *rest))
+    if dist.get_backend(group) == "gloo":
+        # gloo's reduce-scatter all-reduces the whole tensor and keeps a slice (a profile shows
+        # one gloo:all_reduce per call): twice a ring's bytes, and on a 2-core machine as slow
+        # as the all-reduce it was to replace. An all-to-all sends each rank only its part.
+        received = torch.empty_like(parts)  # [tp * b, s / tp, h]: rank r sent part r here
+        work = dist.all_to_all_single(received, parts, group=group, async_op=True)
+        return out, _SumOnWait(work, received.view(tp, b, s_local, *rest), out)
     work = dist.reduce_scatter_single(out, parts, group=group, async_op=True)
     return out, work
 
