@@ -71,6 +71,12 @@ def test_a_truncated_file_is_damaged_and_a_pickle_is_refused_as_such(tmp_path):
         f.truncate(os.path.getsize(path) - 100)
     with pytest.raises(DamagedFile):
         read_file(path, recorded, {"a": None})
+    # A header whose shape no tensor can have, summed as it is: refused in one line.
+    header = b'{"a":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}}'
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(ConfigError, match="not a valid safetensors file"):
+        read_file(path, file_checksum(path), {"a": None})
     # Bytes whose checksum matches but are no safetensors file: refused, never unpickled.
     with open(path, "wb") as f:
         f.write(pickle.dumps({"weights": [1, 2, 3]}))

@@ -121,7 +121,10 @@ def _tensors(read: _Pass, size: int, wanted: Mapping[str, Tensor | None]) -> dic
         if key in wanted and info.get("dtype") in _DTYPES:
             t = wanted[key]
             if t is None:
-                t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+                try:
+                    t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+                except (RuntimeError, TypeError, KeyError):
+                    raise _Malformed(f"{key}'s shape {info.get('shape')!r}") from None
             if t.numel() * t.element_size() != end - start:
                 raise _Malformed(f"{key}'s bytes disagree with its shape")
             read.into(t)
