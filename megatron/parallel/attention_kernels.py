@@ -27,8 +27,9 @@ Which kernel runs where:
 - CUDA, fp32 (which flash does not take): ``aten._efficient_attention_forward`` and
   ``_backward``, the memory-efficient kernel, in [b, rows, heads, d] layout (our tensors are
   transposed views of it), k and v expanded to heads and dk, dv summed back to groups, its lse
-  padded to rows rounded up to 32. Right at 256 tokens on the H200; the out-of-bounds read
-  above is its backward's, so fp32 ring attention keeps blocks below 16K rows.
+  padded to rows rounded up to 32. Checked on the H200 at CP 2 with 256, 8K and 16K tokens (blocks
+  of up to 4K rows; max error 4e-6 against SDPA in fp32); the out-of-bounds read above is its
+  backward's, at 16K-row blocks, so fp32 ring attention is safe below that.
 
 Any other device raises: there is no unfused fallback to fall back to silently.
 """
