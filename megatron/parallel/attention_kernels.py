@@ -29,7 +29,7 @@ Which kernel runs where:
   transposed views of it), k and v expanded to heads and dk, dv summed back to groups, its lse
   padded to rows rounded up to 32. Checked on the H200 at CP 2 with 256, 8K and 16K tokens (blocks
   of up to 4K rows; max error 4e-6 against SDPA in fp32); the out-of-bounds read above is its
-  backward's, at 16K-row blocks, so fp32 ring attention is safe below that.
+  backward's, at 16K-row blocks; blocks between 4K and 16K rows are unchecked.
 
 Any other device raises: there is no unfused fallback to fall back to silently.
 """
