@@ -142,7 +142,7 @@ def _bytes(layout: dict[str, dict[str, Any]], keys: Any, tp_size: int) -> int:
     for key in keys:
         info = layout[key]
         elems = math.prod(info["shape"]) // (tp_size if info["split_dim"] is not None else 1)
-        total += elems * torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
+        total += elems * getattr(torch, info["dtype"]).itemsize
     return total
 
 
@@ -171,11 +171,11 @@ class ShardedTensors:
         self._files: dict[int, Any] = {}
         self._read: dict[int, dict[str, Tensor]] = {}  # what ``plan`` read, per saved TP rank
 
-    def _whole_file(self, key: str, tp_size: int, tp_rank: int, padded: int | None) -> int | None:
-        """The saved TP rank whose file ``read`` takes ``key`` from as it lies; None when the
-        read cuts, merges, pads or goes elsewhere (experts, optimizer shards)."""
+    def _as_saved(self, key: str, tp_size: int, tp_rank: int, padded: int | None) -> int | None:
+        """The saved TP rank whose slice of ``key`` is rank ``tp_rank``'s as it lies; None when
+        ``read`` must cut, merge or pad (or gather the experts' files)."""
         info = self.layout[key]
-        if (info.get("experts") and self.experts) or (self.optim and key in self.optim.layout):
+        if info.get("experts") and self.experts:
             return None
         if info["split_dim"] is None:
             return 0
@@ -197,8 +197,8 @@ class ShardedTensors:
         file ``claims`` grants is checked against ``checksums`` (by file name) while read."""
         keys: dict[int, dict[str, Tensor | None]] = {}
         for key, into in wanted.items():
-            if key in self.layout:
-                j = self._whole_file(key, tp_size, tp_rank, padded)
+            if key in self.layout and not (self.optim and key in self.optim.layout):
+                j = self._as_saved(key, tp_size, tp_rank, padded)
                 if j is not None:
                     keys.setdefault(j, {})[key] = into
         sizes = {j: os.path.getsize(self.paths[j]) for j in keys}
@@ -238,11 +238,10 @@ class ShardedTensors:
         if info.get("experts") and self.experts:
             parts = [e.read(key, tp_size, tp_rank, padded_rows) for e in self.experts]
             return parts[0] if key.endswith("/step") else torch.cat(parts)
+        saved = self._as_saved(key, tp_size, tp_rank, padded_rows)
+        if saved is not None:
+            return self._slice(key, saved)
         split, vocab, saved_tp = info["split_dim"], info["vocab"], len(self.paths)
-        if split is None:
-            return self._slice(key, 0)
-        if saved_tp == tp_size and (not vocab or padded_rows == info["shape"][0]):
-            return self._slice(key, tp_rank)
         if self.optim is not None and key in self.optim.layout:
             shards = [self._slice(key, r) for r in range(saved_tp)]
             full = merge_shards(shards, split, self.vocab_size if vocab else None)

@@ -30,7 +30,12 @@ from megatron.checkpoint.reshard import ShardedTensors
 class StagedTensors:
     """Every saved stage's ``ShardedTensors``, read by key: ``read`` goes to the key's holder."""
 
-    def __init__(self, stages: list[ShardedTensors], checksums=None, claims=None):
+    def __init__(
+        self,
+        stages: list[ShardedTensors],
+        checksums: dict[str, str] | None = None,
+        claims: FileClaims | None = None,
+    ):
         self.stages = stages
         self.checksums, self.claims = checksums, claims  # for ``plan``: meta.json's ``files``
         self.holder: dict[str, int] = {}

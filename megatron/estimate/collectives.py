@@ -19,19 +19,18 @@ from dataclasses import dataclass
 from megatron.estimate.cluster import Cluster, Link
 
 
+def _call(seconds: float, link: Link) -> float:
+    """A collective's ring time, and the host's wait that each call adds."""
+    return seconds + link.sync if seconds else 0.0
+
+
 def all_reduce(nbytes: float, n: int, link: Link) -> float:
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency + link.sync
+    ring = 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+    return 0.0 if n == 1 else _call(ring, link)
 
 
 def _ring_half(whole_bytes: float, n: int, link: Link) -> float:
     return 0.0 if n == 1 else (n - 1) / n * whole_bytes / link.bandwidth + (n - 1) * link.latency
-
-
-def _call(seconds: float, link: Link) -> float:
-    """A collective's ring time, and the host's wait that each call adds."""
-    return seconds + link.sync if seconds else 0.0
 
 
 def all_gather(whole_bytes: float, n: int, link: Link) -> float:

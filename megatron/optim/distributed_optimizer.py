@@ -241,7 +241,7 @@ class DistributedOptimizer(MainParamOptimizer):
         the moments and main copy as they lie (``flat``'s tensors may be the shard's own, read
         straight into), no gather or reassembly; the model weights come from its own file."""
         for key, t in flat.items():
-            if key in self.shard and t is not self.shard[key]:
+            if t is not self.shard[key]:
                 self.shard[key].copy_(t)
         for main in self.main_params:
             self.inner.state[main]["step"].fill_(float(step))

@@ -357,7 +357,9 @@ class MixedPrecisionOptimizer(MainParamOptimizer):
             if name in with_moments:
                 adam = self.inner.state[main]
                 for field in ("exp_avg", "exp_avg_sq"):
-                    entry[field] = adam.setdefault(field, torch.empty_like(main))
+                    if field not in adam:
+                        adam[field] = torch.empty_like(main)
+                    entry[field] = adam[field]
         return targets
 
     @torch.no_grad()
