@@ -6,7 +6,7 @@ A spike is an iteration whose loss exceeds ``spike_threshold`` times the median 
 ``lm loss``, already summed over the world in the step's one all-reduce and host sync, so every
 rank judges the same number and they all decide alike, with no collective of their own.
 
-On a spike the loop (``TrainLoop._roll_back``) reloads the newest checkpoint saved before it and
+On a spike the loop (``roll_back``) reloads the newest checkpoint saved before it and
 adds to the skip list (``megatron.config.skip_list``) the batches trained since that checkpoint,
 up to and including the spike's, or the last ``spike_skip_batches`` of them. The window of recent
 losses travels in checkpoints (``Progress.recent_losses``), so a resumed run judges as one that
