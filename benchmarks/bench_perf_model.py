@@ -1,18 +1,20 @@
 """The step-time model against measured iterations of pretrain_gpt.py on this machine.
 
-Calibrates profiles here first (megatron/estimate/calibrate.py: GEMM throughput by size, copy
-bandwidth, an activation's forward and backward, and causal fused attention, of one thread,
-measured in one process alone and in two at once, since two processes on a shared 2-core
-machine get less than two cores; gloo's all-reduce bandwidth and latency between the two, and
-its all-gather and reduce-scatter against the ring model, and what a collective costs beyond
-that when it follows compute, as a step's do), then
-runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
+Runs a small GPT (4 layers, hidden 256, 8 heads, seq 256, micro-batch 4, global batch 16, fp32,
 vocab 512) at TP1 (one process), TP2, DP2, PP2, TP2 with sequence parallelism and DP2 with the
 distributed optimizer (two processes of one thread each), and sets the model's ms/iteration
-beside each run's fastest iteration after warm-up (its metrics file; the median too). The
-calibration keeps each figure's fastest repeat and the runs their fastest iteration alike: on a
-machine shared with other work, both then describe the machine, not its other tenants. Prints
-one JSON line, with the machine's load.
+beside each run's fastest iteration after warm-up (its metrics file; the median too).
+
+Right before each run it calibrates a profile with as many processes as the run has
+(megatron/estimate/calibrate.py: GEMM throughput by size, copy bandwidth, an activation's
+forward and backward, causal fused attention, all of one thread, every process measuring at
+once, since two processes on a shared 2-core machine get less than two cores; with two, gloo's
+all-reduce bandwidth and latency between them, its all-gather and reduce-scatter against the
+ring model, and what a collective costs beyond that when it follows compute, as a step's do).
+This machine's speed drifts by a fifth and more over minutes with its host's other work, so a
+profile measured minutes before a run describes another machine. The calibration keeps each
+figure's fastest repeat and the runs their fastest iteration alike. Prints one JSON line, with
+the machine's load.
 
     .venv/bin/python benchmarks/bench_perf_model.py
 """
@@ -44,7 +46,7 @@ from megatron.estimate.calibrate import (  # noqa: E402
     link_figures,
     stream_bandwidth,
 )
-from megatron.estimate.cluster import load_cluster  # noqa: E402
+from megatron.estimate.cluster import Cluster, load_cluster  # noqa: E402
 from megatron.estimate.step_time import step_time  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.gpt_run import prepare_gpt_data, read_metrics, run_pretrain, tiny_overrides  # noqa: E402
@@ -82,22 +84,22 @@ def _measure(world: int) -> tuple:
     attention = attention_rate(cpu, torch.float32, ATTENTION_SHAPE)
     link = link_figures() if world > 1 else (1.0, 1.0)
     factors = collective_factors(link) if world > 1 else (1.0, 1.0)
-    sync = collective_sync() if world > 1 else 0.0
+    sync = collective_sync(link) if world > 1 else 0.0
     return peak, table, stream, link, elementwise, attention, factors, sync
 
 
-def calibrate(out: Path) -> dict[int, Path]:
-    """Measure this machine with one process and with two; a profile for each, under ``out``."""
-    one, two = run_distributed(_measure, 1, 1)[0], run_distributed(_measure, 2, 2)[0]
-    paths = {}
-    for processes, (peak, table, stream, _, elementwise, attention, *_) in ((1, one), (2, two)):
-        paths[processes] = out / f"this-cpu-{processes}.yaml"
-        name, factors, sync = f"this-cpu-{processes}", two[6], two[7]
-        profile = cpu_profile(
-            name, peak, table, stream, two[3], elementwise, attention, factors, sync
-        )
-        paths[processes].write_text(yaml.safe_dump(profile))
-    return paths
+def calibrate(out: Path, processes: int) -> Path:
+    """Measure this machine with ``processes`` processes at once; a profile of it, under
+    ``out``."""
+    peak, table, stream, link, elementwise, attention, factors, sync = run_distributed(
+        _measure, processes, processes
+    )[0]
+    path = out / f"this-cpu-{processes}.yaml"
+    profile = cpu_profile(
+        path.stem, peak, table, stream, link, elementwise, attention, factors, sync
+    )
+    path.write_text(yaml.safe_dump(profile))
+    return path
 
 
 def measured_ms(data: dict, run_dir: Path, nproc: int, overrides: list[str]) -> tuple[float, float]:
@@ -107,18 +109,37 @@ def measured_ms(data: dict, run_dir: Path, nproc: int, overrides: list[str]) -> 
     return min(times), statistics.median(times)
 
 
+def _figures(c: Cluster, processes: int) -> dict[str, float]:
+    """A calibrated profile's figures, rounded; its link's only where there were two ranks."""
+    figures = {
+        "peak_gflops": round(c.peak("fp32") / 1e9, 1),
+        "copy_gb_per_s": round(c.hbm_gb_per_s, 2),
+        "elementwise_gb_per_s": round(c.hbm() / 1e9, 2),
+        "attention_fraction_of_peak": round(c.attention_efficiency or 0.0, 3),
+    }
+    if processes == 1:
+        return figures
+    return figures | {
+        "gloo_gb_per_s": round(c.intra_node_gb_per_s, 3),
+        "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
+        "all_gather_factor": round(c.all_gather_factor, 2),
+        "reduce_scatter_factor": round(c.reduce_scatter_factor, 2),
+        "collective_sync_us": round(c.collective_sync_us, 1),
+    }
+
+
 def main() -> None:
-    results = {}
+    results, clusters = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        clusters = {n: load_cluster(str(p)) for n, p in calibrate(Path(tmp)).items()}
         data = prepare_gpt_data(Path(tmp))
         for name, (nproc, layout) in LAYOUTS.items():
+            clusters[name] = load_cluster(str(calibrate(Path(tmp), nproc)))
             run_dir = Path(tmp) / name
             extra = {**SHAPE, **layout, "training.train_iters": ITERS}
             overrides = tiny_overrides(data, run_dir, **extra)
             cfg = load_config(["configs/gpt_tiny.yaml"], overrides)
             padded = cfg.derived(nproc).padded_vocab_size(512)
-            predicted = step_time(cfg, padded, "gpt", nproc, clusters[nproc]).seconds * 1e3
+            predicted = step_time(cfg, padded, "gpt", nproc, clusters[name]).seconds * 1e3
             fastest, median = measured_ms(data, run_dir, nproc, overrides)
             results[name] = {
                 "predicted_ms": round(predicted, 1),
@@ -127,20 +148,7 @@ def main() -> None:
                 "error": round(predicted / fastest - 1, 3),
             }
     within = sum(abs(r["error"]) <= 0.2 for r in results.values())
-    profile = {
-        f"{n}_process": {
-            "peak_gflops": round(c.peak("fp32") / 1e9, 1),
-            "copy_gb_per_s": round(c.hbm_gb_per_s, 2),
-            "elementwise_gb_per_s": round(c.hbm() / 1e9, 2),
-            "attention_fraction_of_peak": round(c.attention_efficiency or 0.0, 3),
-            "gloo_gb_per_s": round(c.intra_node_gb_per_s, 3),
-            "gloo_latency_us_per_step": round(c.intra_node_latency_us, 1),
-            "all_gather_factor": round(c.all_gather_factor, 2),
-            "reduce_scatter_factor": round(c.reduce_scatter_factor, 2),
-            "collective_sync_us": round(c.collective_sync_us, 1),
-        }
-        for n, c in clusters.items()
-    }
+    profile = {name: _figures(c, LAYOUTS[name][0]) for name, c in clusters.items()}
     line = {"layouts": results, "within_20_percent": f"{within} of {len(results)}"}
     print(json.dumps(line | {"profile": profile, "loadavg": os.getloadavg()[0]}))
 

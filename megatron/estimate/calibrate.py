@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron.config.dtypes import DTYPES
 from megatron.estimate.cluster import Link
-from megatron.estimate.collectives import all_gather
+from megatron.estimate.collectives import all_gather, all_reduce
 from megatron.parallel.mappings import all_gather_seq, reduce_scatter_seq
 
 GEMM_SIDES = (32, 64, 128, 256, 512, 1024)  # square GEMMs of 2 * n^3 FLOPs
@@ -119,31 +119,42 @@ def collective_factors(link: tuple[float, float], group: dist.ProcessGroup | Non
     return gather / model, scatter / model
 
 
-def collective_sync(group: dist.ProcessGroup | None = None, calls: int = 16) -> float:
-    """Seconds a small all-reduce costs beyond its own time when it follows a GEMM, as each of a
-    step's collectives follows compute: ``calls`` of (GEMM, all-reduce) against as many GEMMs
-    and as many all-reduces run apart. Each rank reaches the collective when its own GEMM ends
-    and waits for the later one, and gloo's threads, idle during the GEMM, wake for it; a
-    collective timed on its own after a barrier pays neither. Every rank of the group calls it.
+def collective_sync(
+    link: tuple[float, float],
+    group: dist.ProcessGroup | None = None,
+    calls: int = 64,
+    chains: int = 16,
+) -> float:
+    """Seconds a collective costs beyond its ring time on ``link`` (``link_figures``'s) when it
+    follows compute, as each of a step's does: each rank reaches it when its own GEMM ends and
+    waits for the later one, and for gloo's threads to wake, which on this machine now and then
+    takes a scheduler tick. A call timed alone after a barrier pays neither, so the wait is timed
+    in place: chains of ``calls`` (a layer's GEMM, then an all-reduce of a layer's 1 MiB
+    activation), the time inside the all-reduces averaged over the chain and the ranks, the
+    fastest of ``chains`` chains, less the ring's time. The wait is heavy-tailed (most calls pay
+    a fraction of a millisecond, some a 4 ms tick) and drifts with the host's other work: a chain
+    of about a step's calls, the fastest of as many as a benchmark's measured iterations, reads
+    it as a run's fastest iteration meets it. Every rank of the group calls it and gets the same
+    figure.
     """
-    x = torch.zeros(SMALL_BYTES // 4)
+    x = torch.zeros(LARGE_BYTES // 8)  # 1 MiB
     a, w = torch.randn(256, 1024), torch.randn(1024, 1024)  # ~0.5 GFLOP, a layer's GEMM here
+    ranks = dist.get_world_size(group)
 
-    def gemms() -> None:
+    ring = all_reduce(x.nbytes, ranks, Link(*link))
+
+    def chain() -> float:
+        waited = torch.tensor([-calls * ring], dtype=torch.float64)  # this rank's own ring
+        dist.barrier(group=group)
         for _ in range(calls):
             a @ w
-
-    def reduces() -> None:
-        for _ in range(calls):
+            start = time.perf_counter()
             dist.all_reduce(x, group=group)
+            waited += time.perf_counter() - start
+        dist.all_reduce(waited, group=group)
+        return waited.item() / (calls * ranks)
 
-    def both() -> None:
-        for _ in range(calls):
-            a @ w
-            dist.all_reduce(x, group=group)
-
-    apart = _best_seconds(gemms, 7, dist.barrier) + _best_seconds(reduces, 7, dist.barrier)
-    return max(0.0, _best_seconds(both, 7, dist.barrier) - apart) / calls
+    return max(0.0, min(chain() for _ in range(chains)))
 
 
 def cpu_profile(
