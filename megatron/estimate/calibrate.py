@@ -129,18 +129,17 @@ def collective_sync(
     follows compute, as each of a step's does: each rank reaches it when its own GEMM ends and
     waits for the later one, and for gloo's threads to wake, which on this machine now and then
     takes a scheduler tick. A call timed alone after a barrier pays neither, so the wait is timed
-    in place: chains of ``calls`` (a layer's GEMM, then an all-reduce of a layer's 1 MiB
-    activation), the time inside the all-reduces averaged over the chain and the ranks, the
-    fastest of ``chains`` chains, less the ring's time. The wait is heavy-tailed (most calls pay
-    a fraction of a millisecond, some a 4 ms tick) and drifts with the host's other work: a chain
-    of about a step's calls, the fastest of as many as a benchmark's measured iterations, reads
-    it as a run's fastest iteration meets it. Every rank of the group calls it and gets the same
-    figure.
+    in place: chains of ``calls`` (a layer's GEMM, then a 4 MiB all-reduce: four of a layer's
+    1 MiB activations here), the time inside the all-reduces averaged over the chain and the
+    ranks, the fastest of ``chains`` chains, less the ring's time. The wait is heavy-tailed (most
+    calls pay a fraction of a millisecond, some a 4 ms tick) and drifts with the host's other
+    work: a chain of about a step's calls, the fastest of as many as a benchmark's measured
+    iterations, reads it as a run's fastest iteration meets it. Every rank of the group calls it
+    and gets the same figure.
     """
-    x = torch.zeros(LARGE_BYTES // 8)  # 1 MiB
+    x = torch.zeros(2**20)  # 4 MiB of fp32
     a, w = torch.randn(256, 1024), torch.randn(1024, 1024)  # ~0.5 GFLOP, a layer's GEMM here
     ranks = dist.get_world_size(group)
-
     ring = all_reduce(x.nbytes, ranks, Link(*link))
 
     def chain() -> float:
